@@ -1,0 +1,36 @@
+"""attnscope: self-attention for PyTorch that shows its work.
+
+Reference attention from "Build a Large Language Model From Scratch" (simplified, V1, V2,
+causal, multi-head) with a fast path; traces of every stage by name; and a checker that
+runs anyone's attention code and names the first stage that goes wrong.
+"""
+
+from __future__ import annotations
+
+from . import functional
+from .errors import AttnScopeError
+from .examples import BOOK_TOKENS, TOY_TOKENS, book_embeddings, toy_scores
+from .modules import CausalAttention, MultiHeadAttention, SelfAttentionV1, SelfAttentionV2
+from .stages import KINDS, Dims, Stage
+from .trace import QueryWalk, Trace, trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttnScopeError",
+    "BOOK_TOKENS",
+    "CausalAttention",
+    "Dims",
+    "KINDS",
+    "MultiHeadAttention",
+    "QueryWalk",
+    "SelfAttentionV1",
+    "SelfAttentionV2",
+    "Stage",
+    "TOY_TOKENS",
+    "Trace",
+    "book_embeddings",
+    "functional",
+    "toy_scores",
+    "trace",
+]

@@ -1,0 +1,91 @@
+"""User-facing errors and the input checks that raise them.
+
+Every bad input is rejected with one :class:`AttnScopeError` whose message names what
+was expected and what was given. The CLI prints that message and exits with code 2;
+the library raises it (it is a ``ValueError``, so ``except ValueError`` still works).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["AttnScopeError", "check_embeddings", "check_tensor", "check_token_index", "describe"]
+
+
+class AttnScopeError(ValueError):
+    """A user error: the message says what was expected and what was given."""
+
+
+def describe(obj: object) -> str:
+    """A short description of ``obj`` for error messages: ``tensor of shape (2, 3), float32``."""
+    if isinstance(obj, torch.Tensor):
+        dtype = str(obj.dtype).removeprefix("torch.")
+        return f"tensor of shape {tuple(obj.shape)}, {dtype}"
+    return f"{type(obj).__name__} {obj!r}"[:120]
+
+
+def check_tensor(
+    x: object, *, name: str, ranks: tuple[int, ...], finite: bool = True
+) -> torch.Tensor:
+    """Validate a floating-point, non-empty tensor of one of ``ranks`` (finite unless told)."""
+    return check_embeddings(x, name=name, ranks=ranks, finite=finite)
+
+
+def check_embeddings(
+    x: object,
+    *,
+    name: str = "x",
+    d_in: int | None = None,
+    ranks: tuple[int, ...] = (2, 3),
+    max_tokens: int | None = None,
+    finite: bool = True,
+) -> torch.Tensor:
+    """Validate an embeddings tensor and return it unchanged.
+
+    Expected: a floating-point ``torch.Tensor`` of shape ``(tokens, d_in)`` or
+    ``(batch, tokens, d_in)`` (``ranks`` says which ranks are allowed), with at least one
+    token, finite values, ``d_in`` features when given, and at most ``max_tokens`` tokens.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise AttnScopeError(f"{name}: expected a torch.Tensor, got {describe(x)}")
+    if x.dim() not in ranks:
+        layouts = {1: "(d,)", 2: "(tokens, d_in)", 3: "(batch, tokens, d_in)"}
+        want = " or ".join(layouts.get(r, f"rank {r}") for r in ranks)
+        raise AttnScopeError(f"{name}: expected shape {want}, got {describe(x)}")
+    if not x.is_floating_point():
+        raise AttnScopeError(
+            f"{name}: expected a floating-point tensor (float32, float64, ...), got {describe(x)}; "
+            "convert it with .float()"
+        )
+    if x.dim() >= 2 and x.shape[-2] == 0:
+        raise AttnScopeError(f"{name}: expected at least one token, got {describe(x)}")
+    if x.numel() == 0:
+        raise AttnScopeError(f"{name}: expected a non-empty tensor, got {describe(x)}")
+    if d_in is not None and x.shape[-1] != d_in:
+        raise AttnScopeError(
+            f"{name}: expected {d_in} features in the last dimension (d_in={d_in}), "
+            f"got {describe(x)}"
+        )
+    if max_tokens is not None and x.dim() >= 2 and x.shape[-2] > max_tokens:
+        raise AttnScopeError(
+            f"{name}: expected at most context_length={max_tokens} tokens, "
+            f"got {x.shape[-2]} ({describe(x)})"
+        )
+    if finite and not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).sum().item()
+        raise AttnScopeError(
+            f"{name}: expected finite values, got {bad} NaN or inf entries in {describe(x)}"
+        )
+    return x
+
+
+def check_token_index(index: object, tokens: int, *, name: str = "query token") -> int:
+    """Validate a token position in ``[-tokens, tokens)`` and return it as a non-negative int."""
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise AttnScopeError(f"{name}: expected an integer position, got {describe(index)}")
+    if not -tokens <= index < tokens:
+        raise AttnScopeError(
+            f"{name}: expected a position from 0 to {tokens - 1} "
+            f"(the input has {tokens} tokens), got {index}"
+        )
+    return index % tokens

@@ -1,0 +1,321 @@
+"""One small, pure function per stage of self-attention.
+
+Shapes use ``T`` for tokens, ``B`` for batch, ``H`` for heads. Functions that make sense
+for both accept unbatched ``(T, d)`` and batched ``(B, T, d)`` input (and ``(B, H, T, d)``
+per-head input); the last two axes are always (tokens, features) or (queries, keys).
+
+The explicit pipeline (see :func:`attend`) is the reference the modules, the traces and the
+checker share, so there is one definition of every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import torch
+
+from .errors import AttnScopeError, check_tensor, describe
+from .stages import Stage
+
+__all__ = [
+    "query_scores_loop",
+    "query_scores_dot",
+    "query_scores",
+    "attention_scores",
+    "normalize_sum",
+    "softmax_naive",
+    "softmax",
+    "scale_scores",
+    "causal_mask",
+    "apply_causal_mask",
+    "context_vectors",
+    "split_heads",
+    "merge_heads",
+    "attend",
+    "simplified_attention",
+]
+
+Record = MutableMapping[str, torch.Tensor]
+
+
+def _one_query(inputs: object, query: object) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = check_tensor(inputs, name="inputs", ranks=(2,))
+    query = check_tensor(query, name="query", ranks=(1,))
+    if query.shape[0] != inputs.shape[1]:
+        raise AttnScopeError(
+            f"query: expected {inputs.shape[1]} features to match inputs {tuple(inputs.shape)}, "
+            f"got {describe(query)}"
+        )
+    return inputs, query
+
+
+def query_scores_loop(inputs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Scores of one query against every token, with a hand-written multiply-and-sum.
+
+    Args:
+        inputs: ``(T, d)`` one row per token.
+        query: ``(d,)`` the query vector (for example ``inputs[1]``).
+
+    Returns:
+        ``(T,)``: ``scores[i] = sum_k inputs[i, k] * query[k]``. Slow on purpose: it is the
+        dot product written out, to check :func:`query_scores_dot` against.
+    """
+    inputs, query = _one_query(inputs, query)
+    scores = torch.empty(inputs.shape[0], dtype=inputs.dtype)
+    for i, x_i in enumerate(inputs):
+        total = 0.0
+        for a, b in zip(x_i.tolist(), query.tolist(), strict=True):
+            total += a * b
+        scores[i] = total
+    return scores
+
+
+def query_scores_dot(inputs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Scores of one query against every token, one ``torch.dot`` per token.
+
+    Args:
+        inputs: ``(T, d)``.
+        query: ``(d,)``.
+
+    Returns:
+        ``(T,)``, the same numbers as :func:`query_scores_loop`.
+    """
+    inputs, query = _one_query(inputs, query)
+    scores = torch.empty(inputs.shape[0], dtype=inputs.dtype)
+    for i, x_i in enumerate(inputs):
+        scores[i] = torch.dot(x_i, query)
+    return scores
+
+
+def query_scores(inputs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Scores of one query against every token, vectorised: ``inputs @ query``.
+
+    Args:
+        inputs: ``(T, d)``.
+        query: ``(d,)``.
+
+    Returns:
+        ``(T,)``, the same numbers as the two loops.
+    """
+    inputs, query = _one_query(inputs, query)
+    return inputs @ query
+
+
+def attention_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The full score matrix: one row per query, one column per key.
+
+    Args:
+        queries: ``(..., T, d_k)``.
+        keys: ``(..., T, d_k)``.
+
+    Returns:
+        ``(..., T, T)`` with ``scores[..., i, j] = queries[..., i, :] . keys[..., j, :]``.
+    """
+    queries = check_tensor(queries, name="queries", ranks=(2, 3, 4))
+    keys = check_tensor(keys, name="keys", ranks=(2, 3, 4))
+    if queries.shape[:-2] != keys.shape[:-2] or queries.shape[-1] != keys.shape[-1]:
+        raise AttnScopeError(
+            f"keys: expected the leading and feature dimensions of queries "
+            f"{tuple(queries.shape)}, got {describe(keys)}"
+        )
+    return queries @ keys.transpose(-2, -1)
+
+
+def normalize_sum(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Divide each score by the sum of its row: weights keep the scores' proportions.
+
+    Only meaningful for positive scores (a zero or negative sum gives inf or sign flips);
+    the book shows it before softmax to explain normalisation.
+
+    Args:
+        scores: ``(..., T)``.
+        dim: the axis that must sum to 1.
+    """
+    scores = check_tensor(scores, name="scores", ranks=(1, 2, 3, 4))
+    return scores / scores.sum(dim=dim, keepdim=True)
+
+
+def softmax_naive(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``exp(s) / sum(exp(s))`` written out. Unstable on purpose.
+
+    ``exp`` overflows to ``inf`` for scores above about 88 in float32 (709 in float64), and
+    ``inf / inf`` is NaN; :func:`softmax` subtracts the row maximum first and does not.
+    Kept to show why the stable version exists.
+
+    Args:
+        scores: ``(..., T)``.
+        dim: the axis that must sum to 1.
+    """
+    scores = check_tensor(scores, name="scores", ranks=(1, 2, 3, 4), finite=False)
+    exp = torch.exp(scores)
+    return exp / exp.sum(dim=dim, keepdim=True)
+
+
+def softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The stable softmax (``torch.softmax``): positive weights that sum to 1 along ``dim``.
+
+    ``-inf`` scores (masked keys) get weight 0; a row that is entirely ``-inf`` gives NaN.
+
+    Args:
+        scores: ``(..., T)``.
+        dim: the axis that must sum to 1 (the keys: ``-1``).
+    """
+    scores = check_tensor(scores, name="scores", ranks=(1, 2, 3, 4), finite=False)
+    return torch.softmax(scores, dim=dim)
+
+
+def scale_scores(scores: torch.Tensor, d_k: int) -> torch.Tensor:
+    """Divide scores by ``sqrt(d_k)``, the key dimension (``head_dim`` per head).
+
+    Without it, dot products grow with ``d_k`` and the softmax saturates into near one-hot
+    rows with vanishing gradients.
+
+    Args:
+        scores: ``(..., T, T)``.
+        d_k: the keys' feature count, ``keys.shape[-1]``.
+    """
+    scores = check_tensor(scores, name="scores", ranks=(1, 2, 3, 4), finite=False)
+    if isinstance(d_k, bool) or not isinstance(d_k, int) or d_k <= 0:
+        raise AttnScopeError(f"d_k: expected a positive integer, got {describe(d_k)}")
+    return scores / d_k**0.5
+
+
+def causal_mask(tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The positions a causal query must not see: ``True`` above the diagonal.
+
+    Returns:
+        ``(tokens, tokens)`` bool, ``mask[i, j] = j > i`` (key j comes after query i).
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise AttnScopeError(f"tokens: expected a positive integer, got {describe(tokens)}")
+    return torch.ones(tokens, tokens, dtype=torch.bool, device=device).triu(diagonal=1)
+
+
+def apply_causal_mask(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Set the scores of future keys to ``-inf`` so the softmax gives them weight 0.
+
+    Args:
+        scores: ``(..., T, T)``.
+        mask: ``(T, T)`` bool, ``True`` where hidden; :func:`causal_mask` when omitted.
+    """
+    scores = check_tensor(scores, name="scores", ranks=(2, 3, 4), finite=False)
+    t_q, t_k = scores.shape[-2:]
+    if mask is None:
+        if t_q != t_k:
+            raise AttnScopeError(f"scores: expected a square (T, T) matrix, got {describe(scores)}")
+        mask = causal_mask(t_q, device=scores.device)
+    elif mask.shape[-2:] != (t_q, t_k):
+        mask = mask[..., :t_q, :t_k]
+    return scores.masked_fill(mask.bool(), -torch.inf)
+
+
+def context_vectors(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Each token's context vector: the weighted sum of all value rows.
+
+    Args:
+        weights: ``(..., T, T)`` rows sum to 1.
+        values: ``(..., T, d_v)``.
+
+    Returns:
+        ``(..., T, d_v)``: ``context[..., i, :] = sum_j weights[..., i, j] * values[..., j, :]``.
+    """
+    weights = check_tensor(weights, name="weights", ranks=(2, 3, 4), finite=False)
+    values = check_tensor(values, name="values", ranks=(2, 3, 4))
+    if weights.shape[-1] != values.shape[-2]:
+        raise AttnScopeError(
+            f"values: expected {weights.shape[-1]} rows to match weights "
+            f"{tuple(weights.shape)}, got {describe(values)}"
+        )
+    return weights @ values
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, T, d_out) -> (B, H, T, head_dim)``: head h gets features ``h*head_dim:(h+1)*head_dim``.
+
+    The view must cut the feature axis (``view(B, T, H, head_dim)``) and only then move the
+    head axis forward; ``view(B, H, T, head_dim)`` would mix tokens into heads.
+    """
+    x = check_tensor(x, name="x", ranks=(3,), finite=False)
+    b, t, d = x.shape
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+        raise AttnScopeError(f"num_heads: expected a positive integer, got {describe(num_heads)}")
+    if d % num_heads:
+        raise AttnScopeError(
+            f"num_heads: expected a divisor of d_out={d}, got num_heads={num_heads}"
+        )
+    return x.view(b, t, num_heads, d // num_heads).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, head_dim) -> (B, T, H * head_dim)``, the inverse of :func:`split_heads`."""
+    x = check_tensor(x, name="x", ranks=(4,), finite=False)
+    b, h, t, hd = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * hd)
+
+
+def attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    dropout: torch.nn.Module | None = None,
+    record: Record | None = None,
+) -> torch.Tensor:
+    """The explicit attention core, stage by stage, on projected queries, keys and values.
+
+    scores -> scaled_scores -> [masked_scores] -> weights -> context. The book masks before
+    scaling; scaling first is the same numbers (``-inf / c`` is ``-inf``) and matches the
+    stage order.
+
+    Args:
+        queries, keys, values: ``(..., T, d_k)``; ``...`` is ``()``, ``(B,)`` or ``(B, H)``.
+        causal: hide future keys (``mask`` or :func:`causal_mask`).
+        mask: ``(>=T, >=T)`` bool, ``True`` where hidden; cropped to ``T``.
+        dropout: applied to the weights after they are recorded (identity in eval mode).
+        record: when given, every stage's tensor is stored in it under its stage name.
+
+    Returns:
+        ``(..., T, d_v)`` context vectors.
+    """
+    scores = queries @ keys.transpose(-2, -1)
+    scaled = scores / keys.shape[-1] ** 0.5
+    masked = None
+    if causal:
+        t = scores.shape[-1]
+        hide = causal_mask(t, scores.device) if mask is None else mask.bool()[:t, :t]
+        masked = scaled.masked_fill(hide, -torch.inf)
+    weights = torch.softmax(scaled if masked is None else masked, dim=-1)
+    context = (weights if dropout is None else dropout(weights)) @ values
+    if record is not None:
+        record.update({Stage.SCORES.value: scores, Stage.SCALED_SCORES.value: scaled})
+        if masked is not None:
+            record[Stage.MASKED_SCORES.value] = masked
+        record.update({Stage.WEIGHTS.value: weights, Stage.CONTEXT.value: context})
+    return context
+
+
+def simplified_attention(inputs: torch.Tensor, record: Record | None = None) -> torch.Tensor:
+    """Attention without trainable weights (the book's section 3.3).
+
+    ``scores = inputs @ inputs^T``, ``weights = softmax(scores)`` (no scaling),
+    ``context = weights @ inputs``.
+
+    Args:
+        inputs: ``(T, d)`` or ``(B, T, d)``.
+        record: when given, receives ``scores``, ``weights`` and ``context``.
+
+    Returns:
+        ``(T, d)`` or ``(B, T, d)`` context vectors.
+    """
+    inputs = check_tensor(inputs, name="inputs", ranks=(2, 3))
+    scores = inputs @ inputs.transpose(-2, -1)
+    weights = torch.softmax(scores, dim=-1)
+    context = weights @ inputs
+    if record is not None:
+        record.update(
+            {Stage.SCORES.value: scores, Stage.WEIGHTS.value: weights, Stage.CONTEXT.value: context}
+        )
+    return context
+

@@ -1,0 +1,257 @@
+"""The book's self-attention classes, built on :mod:`attnscope.functional`.
+
+Parameter names, initialisation order and numerics follow "Build a Large Language Model
+From Scratch" (ch. 3), so ``torch.manual_seed(123)`` gives the book's printed numbers.
+Every module accepts ``(T, d_in)`` or ``(B, T, d_in)`` and returns the same leading shape
+with ``d_out`` features, and every module can be traced (``module.trace(x)``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import functional as AF
+from .errors import AttnScopeError, check_embeddings, describe
+from .stages import Stage
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+__all__ = ["SelfAttentionV1", "SelfAttentionV2", "CausalAttention", "MultiHeadAttention"]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise AttnScopeError(f"{name}: expected a positive integer, got {describe(value)}")
+    return value
+
+
+def _probability(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise AttnScopeError(f"{name}: expected a probability in [0, 1), got {describe(value)}")
+    return float(value)
+
+
+class _Traceable(nn.Module):
+    """Shared plumbing: input checks, stage recording, ``trace``."""
+
+    kind: str = "self"
+    d_in: int
+    d_out: int
+    context_length: int | None = None
+    num_heads: int | None = None
+
+    def _check(self, x: object) -> torch.Tensor:
+        return check_embeddings(x, d_in=self.d_in, max_tokens=self.context_length)
+
+    def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(T, d_in)`` or ``(B, T, d_in)`` -> ``(T, d_out)`` or ``(B, T, d_out)``."""
+        return self._pipeline(self._check(x), None)
+
+    def trace(self, x: torch.Tensor, labels: list[str] | None = None) -> Trace:
+        """Run the explicit path and return every stage by name (see :class:`~attnscope.Trace`)."""
+        from .trace import trace
+
+        return trace(self, x, labels=labels)
+
+
+class SelfAttentionV1(_Traceable):
+    """Self-attention with ``nn.Parameter`` weight matrices stored ``(d_in, d_out)``.
+
+    ``W_query``, ``W_key``, ``W_value`` are drawn with ``torch.rand`` in that order, as in
+    the book, and applied as ``x @ W``.
+    """
+
+    kind = "self"
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.d_in, self.d_out = _positive_int("d_in", d_in), _positive_int("d_out", d_out)
+        self.W_query = nn.Parameter(torch.rand(d_in, d_out))
+        self.W_key = nn.Parameter(torch.rand(d_in, d_out))
+        self.W_value = nn.Parameter(torch.rand(d_in, d_out))
+
+    def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
+        queries, keys, values = x @ self.W_query, x @ self.W_key, x @ self.W_value
+        if record is not None:
+            record.update(queries=queries, keys=keys, values=values)
+        return AF.attend(queries, keys, values, record=record)
+
+    @classmethod
+    def from_v2(cls, v2: SelfAttentionV2) -> SelfAttentionV1:
+        """A V1 that computes exactly what ``v2`` computes (``W = linear.weight.T``).
+
+        V1 has no biases, so ``v2`` must have been built with ``qkv_bias=False``.
+        """
+        if not isinstance(v2, SelfAttentionV2):
+            raise AttnScopeError(f"v2: expected a SelfAttentionV2, got {describe(v2)}")
+        if v2.W_query.bias is not None:
+            raise AttnScopeError(
+                "v2: expected a SelfAttentionV2 built with qkv_bias=False (V1 has no biases), "
+                "got one with biases"
+            )
+        v1 = cls.__new__(cls)
+        nn.Module.__init__(v1)
+        v1.d_in, v1.d_out = v2.d_in, v2.d_out
+        for name in ("W_query", "W_key", "W_value"):
+            weight = getattr(v2, name).weight.detach().T.clone()
+            setattr(v1, name, nn.Parameter(weight))
+        return v1
+
+
+class SelfAttentionV2(_Traceable):
+    """Self-attention with ``nn.Linear`` projections (weights stored ``(d_out, d_in)``)."""
+
+    kind = "self"
+
+    def __init__(self, d_in: int, d_out: int, qkv_bias: bool = False):
+        super().__init__()
+        self.d_in, self.d_out = _positive_int("d_in", d_in), _positive_int("d_out", d_out)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+
+    def _project(self, x: torch.Tensor, record: AF.Record | None):
+        queries, keys, values = self.W_query(x), self.W_key(x), self.W_value(x)
+        if record is not None:
+            record.update(queries=queries, keys=keys, values=values)
+        return queries, keys, values
+
+    def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
+        return AF.attend(*self._project(x, record), record=record)
+
+    @classmethod
+    def from_v1(cls, v1: SelfAttentionV1) -> SelfAttentionV2:
+        """A V2 (without biases) that computes exactly what ``v1`` computes."""
+        if not isinstance(v1, SelfAttentionV1):
+            raise AttnScopeError(f"v1: expected a SelfAttentionV1, got {describe(v1)}")
+        v2 = cls(v1.d_in, v1.d_out, qkv_bias=False)
+        with torch.no_grad():
+            for name in ("W_query", "W_key", "W_value"):
+                getattr(v2, name).weight.copy_(getattr(v1, name).T)
+        return v2
+
+
+class CausalAttention(SelfAttentionV2):
+    """Single-head causal self-attention with dropout on the weights (the book's 3.5).
+
+    Token ``i`` attends to tokens ``0..i`` only: scores of later keys are set to ``-inf``
+    before the softmax. At most ``context_length`` tokens.
+    """
+
+    kind = "causal"
+
+    def __init__(
+        self, d_in: int, d_out: int, context_length: int, dropout: float, qkv_bias: bool = False
+    ):
+        super().__init__(d_in, d_out, qkv_bias=qkv_bias)
+        self.context_length = _positive_int("context_length", context_length)
+        self.dropout = nn.Dropout(_probability("dropout", dropout))
+        self.register_buffer(
+            "mask", torch.triu(torch.ones(context_length, context_length), diagonal=1)
+        )
+
+    def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
+        return AF.attend(
+            *self._project(x, record),
+            causal=True,
+            mask=self.mask,
+            dropout=self.dropout,
+            record=record,
+        )
+
+
+class MultiHeadAttention(_Traceable):
+    """Multi-head self-attention with an output projection (the book's 3.6.2).
+
+    ``d_out`` is split into ``num_heads`` heads of ``head_dim = d_out // num_heads``
+    features; each head attends on its own and the heads are concatenated and projected
+    by ``out_proj``. ``causal=True`` (the book's default) masks future tokens.
+
+    Two paths compute the same result: the fast path (``use_fast_path=True``, the default)
+    hands the core to :func:`torch.nn.functional.scaled_dot_product_attention`; the explicit
+    path spells out every stage and is the one :meth:`trace` runs.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float,
+        num_heads: int,
+        qkv_bias: bool = False,
+        *,
+        causal: bool = True,
+        use_fast_path: bool = True,
+    ):
+        super().__init__()
+        self.d_in, self.d_out = _positive_int("d_in", d_in), _positive_int("d_out", d_out)
+        self.context_length = _positive_int("context_length", context_length)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        if d_out % num_heads:
+            raise AttnScopeError(
+                f"num_heads: expected a divisor of d_out={d_out}, got num_heads={num_heads} "
+                f"(d_out % num_heads = {d_out % num_heads})"
+            )
+        self.head_dim = d_out // num_heads
+        self.causal = bool(causal)
+        self.use_fast_path = bool(use_fast_path)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = nn.Dropout(_probability("dropout", dropout))
+        self.register_buffer(
+            "mask", torch.triu(torch.ones(context_length, context_length), diagonal=1)
+        )
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return "causal-multihead" if self.causal else "multihead"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(T, d_in)`` or ``(B, T, d_in)`` -> ``(T, d_out)`` or ``(B, T, d_out)``."""
+        x = self._check(x)
+        return self._pipeline(x, None) if not self.use_fast_path else self._fast(x)
+
+    def _heads(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        b, t, _ = x.shape
+        # (B, T, d_out) -> (B, T, H, head_dim) -> (B, H, T, head_dim): cut features, not tokens
+        return linear(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x.unsqueeze(0)
+        b, t, _ = x.shape
+        q, k, v = (self._heads(x, lin) for lin in (self.W_query, self.W_key, self.W_value))
+        p = self.dropout.p if self.training else 0.0
+        context = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        out = self.out_proj(context.transpose(1, 2).reshape(b, t, self.d_out))
+        return out.squeeze(0) if unbatched else out
+
+    def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x.unsqueeze(0)
+        q, k, v = (self._heads(x, lin) for lin in (self.W_query, self.W_key, self.W_value))
+        if record is not None:
+            record.update(queries=q, keys=k, values=v)
+        context = AF.attend(
+            q, k, v, causal=self.causal, mask=self.mask, dropout=self.dropout, record=record
+        )
+        out = self.out_proj(AF.merge_heads(context))  # (B, T, d_out)
+        if record is not None:
+            record[Stage.OUTPUT.value] = out
+            if unbatched:
+                for name, tensor in list(record.items()):
+                    record[name] = tensor.squeeze(0)
+        return out.squeeze(0) if unbatched else out

@@ -1,0 +1,1 @@
+"""Rendering: text (rich), HTML, figures. Rendering never computes attention."""

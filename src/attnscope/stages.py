@@ -1,0 +1,122 @@
+"""The stage vocabulary: the names of every tensor in the attention pipeline, in order.
+
+::
+
+    x --W_query--> queries --\\
+    x --W_key----> keys ------> scores -> scaled_scores -> [masked_scores] -> weights -> context -> [output]
+    x --W_value--> values ---------------------------------------------------------------/
+
+These names are a public contract: the trace, the checker, its JSON report, the HTML
+report and the docs all use exactly these strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Stage", "Dims", "KINDS", "stages_for_kind"]
+
+#: Kinds of attention, from the weightless scores of one query to causal multi-head.
+KINDS = ("scores", "simplified", "self", "causal", "multihead", "causal-multihead")
+
+
+class Stage(str, Enum):
+    """One named tensor of the pipeline; members are ordered as the pipeline runs."""
+
+    QUERY = "query"
+    QUERIES = "queries"
+    KEYS = "keys"
+    VALUES = "values"
+    SCORES = "scores"
+    SCALED_SCORES = "scaled_scores"
+    MASKED_SCORES = "masked_scores"
+    WEIGHTS = "weights"
+    CONTEXT = "context"
+    OUTPUT = "output"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def order(self) -> int:
+        """Position in the pipeline (``query`` is 0)."""
+        return list(Stage).index(self)
+
+    @property
+    def rule(self) -> str:
+        """The sentence that predicts this stage's shape."""
+        return _RULES[self]
+
+    def predict_shape(self, dims: Dims) -> tuple[int, ...]:
+        """The shape this stage must have for inputs and sizes ``dims``."""
+        return dims.shape_of(self)
+
+
+_RULES = {
+    Stage.QUERY: "one vector: the query token's row, with d_k features",
+    Stage.QUERIES: "one row per token, d_out columns (per head: head_dim columns)",
+    Stage.KEYS: "one row per token, d_out columns (per head: head_dim columns)",
+    Stage.VALUES: "one row per token, d_out columns (per head: head_dim columns)",
+    Stage.SCORES: "one row per query, one column per key: tokens x tokens",
+    Stage.SCALED_SCORES: "same shape as scores: each score divided by sqrt(d_k)",
+    Stage.MASKED_SCORES: "same shape as scores: keys after the query set to -inf",
+    Stage.WEIGHTS: "same shape as scores: each row is positive and sums to 1",
+    Stage.CONTEXT: "one row per token, d_out columns (per head: head_dim columns)",
+    Stage.OUTPUT: "one row per token, d_out columns: heads merged and projected",
+}
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes that determine every stage's shape.
+
+    ``batch`` is ``None`` for unbatched input ``(tokens, d_in)``; ``num_heads`` is ``None``
+    for single-head attention (then per-head stages have no head axis).
+    """
+
+    tokens: int
+    d_in: int
+    d_out: int
+    batch: int | None = None
+    num_heads: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_out // (self.num_heads or 1)
+
+    @property
+    def d_k(self) -> int:
+        """The key dimension the scores are scaled by: ``head_dim`` (``d_out`` for one head)."""
+        return self.head_dim
+
+    def shape_of(self, stage: Stage) -> tuple[int, ...]:
+        lead = () if self.batch is None else (self.batch,)
+        heads = () if self.num_heads is None else (self.num_heads,)
+        t = self.tokens
+        if stage is Stage.QUERY:
+            return (self.head_dim,)
+        if stage in (Stage.QUERIES, Stage.KEYS, Stage.VALUES, Stage.CONTEXT):
+            return (*lead, *heads, t, self.head_dim)
+        if stage is Stage.OUTPUT:
+            return (*lead, t, self.d_out)
+        return (*lead, *heads, t, t)
+
+
+def stages_for_kind(kind: str) -> tuple[Stage, ...]:
+    """The stages a pipeline of ``kind`` produces, in order."""
+    if kind not in KINDS:
+        from .errors import AttnScopeError
+
+        raise AttnScopeError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "scores":
+        return (Stage.QUERY, Stage.SCORES)
+    if kind == "simplified":
+        return (Stage.SCORES, Stage.WEIGHTS, Stage.CONTEXT)
+    base = [Stage.QUERIES, Stage.KEYS, Stage.VALUES, Stage.SCORES, Stage.SCALED_SCORES]
+    if kind in ("causal", "causal-multihead"):
+        base.append(Stage.MASKED_SCORES)
+    base += [Stage.WEIGHTS, Stage.CONTEXT]
+    if kind in ("multihead", "causal-multihead"):
+        base.append(Stage.OUTPUT)
+    return tuple(base)
