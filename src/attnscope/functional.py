@@ -318,4 +318,3 @@ def simplified_attention(inputs: torch.Tensor, record: Record | None = None) -> 
             {Stage.SCORES.value: scores, Stage.WEIGHTS.value: weights, Stage.CONTEXT.value: context}
         )
     return context
-

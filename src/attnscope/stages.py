@@ -2,9 +2,10 @@
 
 ::
 
-    x --W_query--> queries --\\
-    x --W_key----> keys ------> scores -> scaled_scores -> [masked_scores] -> weights -> context -> [output]
-    x --W_value--> values ---------------------------------------------------------------/
+    x -W_query-> queries -.
+    x -W_key---> keys ----+-> scores -> scaled_scores -> [masked_scores] -> weights
+    x -W_value-> values --+--------------------------------------------------'
+                          '-> context -> [output: heads merged, projected]
 
 These names are a public contract: the trace, the checker, its JSON report, the HTML
 report and the docs all use exactly these strings.

@@ -182,9 +182,7 @@ def _labels(labels: Sequence[str] | None, tokens: int) -> tuple[str, ...]:
     return labels
 
 
-def trace(
-    target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None = None
-) -> Trace:
+def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None = None) -> Trace:
     """Run ``target`` on ``x`` through its explicit path and record every stage.
 
     Args:

@@ -1,0 +1,6 @@
+"""`attnscope check`: run anyone's attention code and name the first stage that goes wrong."""
+
+from .mistakes import MISTAKES
+from .report import CheckReport, Failure, StageCheck
+
+__all__ = ["MISTAKES", "CheckReport", "Failure", "StageCheck"]

@@ -1,0 +1,100 @@
+"""The check report: what `attnscope check` found, as an object, text, JSON and HTML."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from ..stages import Stage
+
+__all__ = ["CheckReport", "Failure", "StageCheck"]
+
+
+@dataclass
+class StageCheck:
+    """One checkpoint: a stage of the user's computation against the reference.
+
+    Attributes:
+        stage: the stage checked.
+        ok: whether it matches the reference (in an equivalent form).
+        detail: one sentence: what was compared and found.
+        predicted: the shape the stage's rule predicts for the probe input.
+        actual: the shape of the user's tensor, when it was seen.
+        location: ``file:line`` of the user's code that made that tensor, when known.
+        reference: the reference tensor (probe sequence 0, float64), for side-by-side display.
+        observed: the user's tensor at this stage in the reference layout, when seen.
+    """
+
+    stage: Stage
+    ok: bool
+    detail: str
+    predicted: tuple[int, ...] | None = None
+    actual: tuple[int, ...] | None = None
+    location: str | None = None
+    reference: torch.Tensor | None = field(default=None, repr=False)
+    observed: torch.Tensor | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage.value, "ok": self.ok, "detail": self.detail}
+
+
+@dataclass
+class Failure:
+    """The first stage that diverges, the mistake code and a message saying where to look."""
+
+    stage: Stage
+    mistake: str
+    message: str
+    location: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage.value, "mistake": self.mistake, "message": self.message}
+
+
+@dataclass
+class CheckReport:
+    """The result of checking one implementation against the reference pipeline.
+
+    ``checks`` runs in pipeline order and stops at the first failing stage, as the seed's
+    checklist does. ``to_dict()`` is the JSON contract of ``attnscope check --json``.
+    """
+
+    ok: bool
+    kind: str
+    target: str
+    first_failure: Failure | None
+    checks: list[StageCheck]
+    kind_reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "kind": self.kind,
+            "target": self.target,
+            "first_failure": None if self.first_failure is None else self.first_failure.to_dict(),
+            "checks": [c.to_dict() for c in self.checks],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_text(self, color: bool | None = None) -> str:
+        """The seed's checklist as text (rich tables on a terminal)."""
+        from ..render.text import check_text
+
+        return check_text(self, color=color)
+
+    def to_html(self, path: str | None = None) -> str:
+        """A self-contained HTML report; written to ``path`` when given."""
+        from ..render.html import check_html
+
+        return check_html(self, path=path)
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def __str__(self) -> str:
+        return self.to_text(color=False)
