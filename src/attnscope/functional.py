@@ -280,12 +280,26 @@ def attend(
         ``(..., T, d_v)`` context vectors.
     """
     scores = queries @ keys.transpose(-2, -1)
-    scaled = scores / keys.shape[-1] ** 0.5
-    masked = None
+    hide = None
     if causal:
         t = scores.shape[-1]
         hide = causal_mask(t, scores.device) if mask is None else mask.bool()[:t, :t]
-        masked = scaled.masked_fill(hide, -torch.inf)
+    masked = None
+    if record is None:
+        # Nobody keeps the stages: scale and mask the score buffer in place (as the book's
+        # masked_fill_ does). Each (T, T) buffer costs a fresh allocation and a memory pass,
+        # which dominates on long inputs; autograd is unaffected (div and masked_fill do not
+        # need their outputs for backward, matmul does not need its output).
+        scaled = scores.div_(keys.shape[-1] ** 0.5)
+        if hide is not None:
+            scaled.masked_fill_(hide, -torch.inf)
+    else:
+        scaled = scores / keys.shape[-1] ** 0.5
+        if hide is not None:
+            # Adding 0 / -inf equals masked_fill(hide, -inf) for finite scores, in one pass
+            # instead of a copy and a fill: tracing long inputs stays close to forward.
+            bias = torch.zeros(hide.shape, dtype=scaled.dtype, device=scaled.device)
+            masked = scaled + bias.masked_fill_(hide, -torch.inf)
     weights = torch.softmax(scaled if masked is None else masked, dim=-1)
     context = (weights if dropout is None else dropout(weights)) @ values
     if record is not None:

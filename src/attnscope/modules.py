@@ -46,7 +46,16 @@ class _Traceable(nn.Module):
     num_heads: int | None = None
 
     def _check(self, x: object) -> torch.Tensor:
-        return check_embeddings(x, d_in=self.d_in, max_tokens=self.context_length)
+        x = check_embeddings(x, d_in=self.d_in, max_tokens=self.context_length)
+        # A float64 input into float32 weights fails deep inside matmul; say so up front.
+        param = next(self.parameters(), None)
+        if param is not None and x.dtype != param.dtype:
+            dtype = str(param.dtype).removeprefix("torch.")
+            raise AttnScopeError(
+                f"x: expected {dtype} to match the module's weights, got {describe(x)}; "
+                f"convert it with .to(torch.{dtype}) (or the module with .to(x.dtype))"
+            )
+        return x
 
     def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
         raise NotImplementedError

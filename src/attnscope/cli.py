@@ -1,0 +1,443 @@
+"""The ``attnscope`` command: demo, trace, plot, check.
+
+Exit codes: 0 everything passed, 1 a check failed, 2 a user error (bad arguments, a bad
+input file, an output file that exists without ``--force``). User errors print one line,
+``attnscope: error: ...``, to stderr and never a traceback. Output files are claimed
+before anything is computed, so a long run never ends in "file exists".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import __version__
+from .errors import AttnScopeError
+
+__all__ = ["main", "build_parser"]
+
+_STAGES_2D = ("weights", "scores", "scaled_scores", "masked_scores")
+_FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
+_WEIGHT_ROLES = ("query", "key", "value", "out")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"attnscope: error: {message} (see '{self.prog} --help')\n")
+
+
+# --- argument types ---------------------------------------------------------------------------
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _highlight(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    try:
+        row, col = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ROW,COL as two integers like 1,1, got {text!r}"
+        ) from None
+    return row, col
+
+
+# --- the parser -------------------------------------------------------------------------------
+
+
+def _add_input(p: argparse.ArgumentParser, *, token: bool = True) -> None:
+    g = p.add_argument_group("input")
+    g.add_argument(
+        "--input",
+        metavar="FILE",
+        help="embeddings, one row per token: .pt, .npy or .csv (default: the book's six tokens)",
+    )
+    labels = g.add_mutually_exclusive_group()
+    labels.add_argument("--labels", metavar="A,B,C", help="token labels, comma-separated")
+    labels.add_argument("--labels-file", metavar="FILE", help="token labels, one per line")
+    if token:
+        g.add_argument(
+            "--token",
+            type=int,
+            metavar="N",
+            help="the query token's position, from 0 (default 1, the book's 'journey')",
+        )
+
+
+def _add_force(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true", help="replace output files that exist")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="attnscope",
+        description="Self-attention for PyTorch that shows its work.",
+        epilog="exit codes: 0 all passed, 1 a check failed, 2 a usage or input error",
+    )
+    parser.add_argument("--version", action="version", version=f"attnscope {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="predict, then check: the whole pipeline on the book's example",
+        description="Walk the attention pipeline step by step: predict each shape and value, "
+        "then see it and the checks the seeds name. Default: simplified, then self-attention "
+        "(SelfAttentionV1), with the book's numbers.",
+    )
+    demo.add_argument(
+        "--kind",
+        choices=("simplified", "self", "causal", "multihead", "all"),
+        help="one part of the walk (default: simplified then self; multihead is causal, as in "
+        "the book)",
+    )
+    demo.add_argument("--seed", type=int, help="seed for the modules (default: the book's)")
+    _add_input(demo)
+    demo.add_argument("--html", metavar="FILE", help="also write an HTML report")
+    _add_force(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+    from .demo import TRACE_KINDS
+
+    tr = sub.add_parser(
+        "trace",
+        help="every stage on your own input: predicted and actual shapes, values",
+        description="Trace a reference module on your embeddings: each stage's predicted shape "
+        "with its rule, its actual shape, its values when small, and the single-query walk.",
+    )
+    tr.add_argument("--kind", choices=TRACE_KINDS, default="self", help="default: self")
+    tr.add_argument("--seed", type=int, default=123, help="torch.manual_seed (default 123)")
+    tr.add_argument("--d-out", type=_int_at_least(1), default=2, metavar="N", help="default 2")
+    tr.add_argument(
+        "--heads", type=_int_at_least(1), default=2, metavar="N", help="multi-head only; default 2"
+    )
+    _add_input(tr)
+    tr.add_argument("--html", metavar="FILE", help="also write an HTML report")
+    _add_force(tr)
+    tr.set_defaults(func=_cmd_trace)
+
+    plot = sub.add_parser(
+        "plot",
+        help="a heatmap of one stage, or the pipeline figure, as .png or .svg",
+        description="Draw a stage as a heatmap (rows are queries, columns keys) or, with "
+        "--pipeline, the pipeline figure with this input's real shapes.",
+    )
+    plot.add_argument("--kind", choices=TRACE_KINDS, default="self", help="default: self")
+    plot.add_argument("--seed", type=int, default=123, help="torch.manual_seed (default 123)")
+    plot.add_argument("--d-out", type=_int_at_least(1), default=2, metavar="N", help="default 2")
+    plot.add_argument(
+        "--heads", type=_int_at_least(1), default=2, metavar="N", help="multi-head only; default 2"
+    )
+    _add_input(plot, token=False)
+    plot.add_argument("--stage", choices=_STAGES_2D, help="the stage to draw (default: weights)")
+    plot.add_argument(
+        "--highlight", type=_highlight, metavar="ROW,COL", help="outline one cell, e.g. 1,1"
+    )
+    plot.add_argument("--pipeline", action="store_true", help="draw the pipeline figure instead")
+    plot.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="FILE.png, .svg or .pdf"
+    )
+    _add_force(plot)
+    plot.set_defaults(func=_cmd_plot)
+
+    from .stages import KINDS
+
+    check = sub.add_parser(
+        "check",
+        help="run someone's attention code and name the first stage that goes wrong",
+        description="Check an attention implementation against the reference pipeline, stage "
+        "by stage, stopping at the first stage that diverges. TARGET is a file path or "
+        "'module:attr' (see the checker's documentation).",
+    )
+    check.add_argument("target", metavar="TARGET", help="the implementation to check")
+    check.add_argument("--kind", choices=KINDS, help="the kind of attention (default: inferred)")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument(
+        "--init", metavar="JSON", help='constructor arguments as a JSON object, e.g. \'{"d_in": 3}\''
+    )
+    check.add_argument("--seed", type=int, default=0, help="seed for the probe inputs (default 0)")
+    check.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds")
+    check.add_argument(
+        "--weights",
+        metavar="query=NAME,key=NAME,value=NAME,out=NAME",
+        help="which attributes hold the projection weights, when the names are unusual",
+    )
+    check.add_argument("--html", metavar="FILE", help="also write an HTML report")
+    _add_force(check)
+    check.set_defaults(func=_cmd_check)
+    return parser
+
+
+# --- shared steps -------------------------------------------------------------------------------
+
+
+def _claim_output(path: str, force: bool, inputs: Sequence[str | None] = ()) -> Path:
+    """Check an output path before any work: new (or ``--force``), in an existing folder."""
+    out = Path(path)
+    for given in inputs:
+        if given is not None and out.exists() and out.resolve() == Path(given).resolve():
+            raise AttnScopeError(
+                f"{out}: expected an output file, got the input file itself; choose another name"
+            )
+    if out.is_dir():
+        raise AttnScopeError(f"{out}: expected a file name, got a folder")
+    if out.exists() and not force:
+        raise AttnScopeError(
+            f"{out}: expected a new file, got an existing one; choose another name or pass "
+            "--force to replace it"
+        )
+    if not out.parent.is_dir():
+        raise AttnScopeError(f"{out}: expected an existing folder {out.parent}, got none")
+    return out
+
+
+def _load(args):
+    """``(x, labels, from_book)`` from --input and --labels/--labels-file."""
+    from .examples import BOOK_TOKENS, book_embeddings
+    from .inputs import load_embeddings, parse_labels, read_labels_file, resolve_labels
+
+    given = None
+    if args.labels is not None:
+        given = parse_labels(args.labels)
+    elif args.labels_file is not None:
+        given = read_labels_file(args.labels_file)
+    if args.input is None:
+        x = book_embeddings()
+        labels = resolve_labels(given, None, x.shape[0], default=BOOK_TOKENS)
+        return x, labels, True
+    emb = load_embeddings(args.input)
+    labels = resolve_labels(given, emb.labels, emb.tokens)
+    return emb.tensor, labels, False
+
+
+def _html_writer():
+    try:
+        from .render.html import trace_html
+    except ImportError as exc:
+        raise AttnScopeError(f"--html: HTML reports are not available here ({exc})") from None
+    return trace_html
+
+
+def _emit(text: str) -> None:
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()
+
+
+# --- commands -----------------------------------------------------------------------------------
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+    from .render.text import demo_text
+
+    html = _claim_output(args.html, args.force, [args.input]) if args.html else None
+    trace_html = _html_writer() if html else None
+    x, labels, from_book = _load(args)
+    if not from_book and x.dim() != 2:
+        raise AttnScopeError(
+            f"{args.input}: expected (tokens, d_in) for the demo, got shape {tuple(x.shape)}; "
+            "use 'attnscope trace' for batches"
+        )
+    result = run_demo(
+        args.kind, x=None if from_book else x, labels=labels, token=args.token, seed=args.seed
+    )
+    _emit(demo_text(result))
+    if trace_html is not None:
+        checks = [c.as_tuple() for c in result.checks]
+        trace_html(
+            result.main_trace,
+            str(html),
+            checks=checks,
+            title="attnscope demo: predict, then check",
+            overwrite=args.force,
+        )
+        print(f"wrote {html}", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _cmd_trace(args) -> int:
+    from .demo import default_token, make_trace, trace_checks
+    from .render.text import trace_text
+
+    html = _claim_output(args.html, args.force, [args.input]) if args.html else None
+    trace_html = _html_writer() if html else None
+    x, labels, _ = _load(args)
+    tr = make_trace(args.kind, x, labels=labels, seed=args.seed, d_out=args.d_out, heads=args.heads)
+    token = default_token(tr.dims.tokens, args.token)
+    checks = [c.as_tuple() for c in trace_checks(tr, token)]
+    _emit(trace_text(tr, token=token, checks=checks))
+    if trace_html is not None:
+        trace_html(tr, str(html), checks=checks, title=f"attnscope trace: {tr.kind}", overwrite=args.force)
+        print(f"wrote {html}", file=sys.stderr)
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+def _cmd_plot(args) -> int:
+    from .demo import make_trace
+    from .stages import stages_for_kind
+
+    out = _claim_output(args.output, args.force, [args.input])
+    if out.suffix.lower() not in _FIGURE_SUFFIXES:
+        raise AttnScopeError(
+            f"{out}: expected a file ending in {', '.join(_FIGURE_SUFFIXES)}, got "
+            f"{out.suffix or 'no suffix'!r}"
+        )
+    if args.pipeline and (args.stage or args.highlight):
+        raise AttnScopeError("--pipeline draws the whole pipeline; --stage and --highlight are for heatmaps")
+    stage = args.stage or "weights"
+    if args.kind != "simplified" and stage not in [s.value for s in stages_for_kind(args.kind)]:
+        raise AttnScopeError(
+            f"--stage: a {args.kind} trace has no {stage}; masked_scores needs --kind causal "
+            "or causal-multihead"
+        )
+    if args.kind == "simplified" and stage not in ("scores", "weights"):
+        raise AttnScopeError(f"--stage: simplified attention has scores and weights, not {stage}")
+    try:
+        from .render import figures  # noqa: F401  (fails early without matplotlib)
+    except ImportError as exc:
+        raise AttnScopeError(
+            f"plot: figures need matplotlib (pip install 'attnscope[plot]'): {exc}"
+        ) from None
+    x, labels, _ = _load(args)
+    tr = make_trace(args.kind, x, labels=labels, seed=args.seed, d_out=args.d_out, heads=args.heads)
+    if args.highlight is not None:
+        row, col = args.highlight
+        t = tr.dims.tokens
+        if not (0 <= row < t and 0 <= col < t):
+            raise AttnScopeError(
+                f"--highlight: expected ROW,COL from 0 to {t - 1} (the input has {t} tokens), "
+                f"got {row},{col}"
+            )
+    if args.pipeline:
+        fig = tr.pipeline_figure(path=str(out), overwrite=args.force)
+    else:
+        fig = tr.plot(stage=stage, path=str(out), highlight=args.highlight, overwrite=args.force)
+    _close(fig)
+    print(f"wrote {out}")
+    return 0
+
+
+def _close(fig) -> None:
+    """Free a pyplot-managed figure (a plain ``Figure`` needs nothing)."""
+    try:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    except Exception:  # closing is best effort: the file is already written
+        pass
+
+
+def _parse_init(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise AttnScopeError(f"--init: expected a JSON object, got invalid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise AttnScopeError(
+            f"--init: expected a JSON object like '{{\"d_in\": 3, \"d_out\": 2}}', got "
+            f"{type(value).__name__} {text!r}"
+        )
+    return value
+
+
+def _parse_weights(text: str | None) -> dict[str, str] | None:
+    if text is None:
+        return None
+    roles: dict[str, str] = {}
+    for part in text.split(","):
+        role, eq, name = (s.strip() for s in part.partition("="))
+        if not eq or not role or not name:
+            raise AttnScopeError(
+                f"--weights: expected ROLE=NAME pairs like query=W_q,key=W_k, got {part!r}"
+            )
+        if role not in _WEIGHT_ROLES:
+            raise AttnScopeError(
+                f"--weights: expected roles among {', '.join(_WEIGHT_ROLES)}, got {role!r}"
+            )
+        if role in roles:
+            raise AttnScopeError(f"--weights: {role!r} given twice")
+        roles[role] = name
+    return roles
+
+
+def _cmd_check(args) -> int:
+    from .render import write_output
+
+    html = _claim_output(args.html, args.force) if args.html else None
+    init = _parse_init(args.init)
+    weights = _parse_weights(args.weights)
+    try:
+        from .checking import check
+    except ImportError as exc:
+        raise AttnScopeError(f"check: the checker is not available here ({exc})") from None
+    report = check(
+        args.target,
+        kind=args.kind,
+        init=init,
+        seed=args.seed,
+        timeout=args.timeout,
+        weights=weights,
+    )
+    _emit(report.to_json() if args.json else report.to_text())
+    if html is not None:
+        # The report renders to a string; writing it here honours --force.
+        write_output(html, report.to_html(), overwrite=args.force)
+        print(f"wrote {html}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+# --- entry point ----------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors: argparse already printed
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    try:
+        return args.func(args)
+    except AttnScopeError as exc:
+        print(f"attnscope: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # `attnscope demo | head`: the reader left; say nothing more.
+        try:
+            sys.stdout = open("/dev/null", "w")  # noqa: SIM115  (keeps interpreter exit quiet)
+        except OSError:
+            pass
+        return 1
+    except OSError as exc:  # a full disk or a folder without write permission
+        print(f"attnscope: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("attnscope: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,589 @@
+"""Self-contained HTML reports of a trace or a check, for files and notebooks.
+
+A report needs no network: no CDN, no web fonts, no scripts at all. Figures are PNGs
+embedded as ``data:`` URIs (inline SVGs from matplotlib would share element ids and clip
+each other). Without matplotlib the matrices are drawn as coloured HTML tables instead.
+
+Everything that can come from a user (token labels, target names, messages quoting code,
+file locations) goes through :func:`html.escape`; written pages also carry a
+Content-Security-Policy that forbids scripts, so a label like ``<script>alert(1)</script>``
+shows as text and runs nothing.
+
+``path=None`` returns a ``<div>`` fragment with scoped styles (what notebooks display via
+``_repr_html_``); with a ``path`` the file is a full ``<!doctype html>`` page.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from html import escape
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..errors import AttnScopeError
+from ..stages import Stage
+from . import write_output
+from .figures import value_range
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from ..checking.report import CheckReport, StageCheck
+    from ..trace import Trace
+
+__all__ = ["trace_html", "check_html"]
+
+#: Matrices up to this size are also written out as coloured tables of numbers.
+TABLE_MAX = 12
+#: Resolution of embedded figures: sharp on high-density screens.
+_DPI = 144
+
+_CSS = """
+.attnscope{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
+ color:#1f2328;background:#fff;max-width:1200px;padding:8px 4px}
+.attnscope h1{font-size:1.45em;margin:.2em 0 .4em}
+.attnscope h2{font-size:1.15em;margin:1.4em 0 .5em;border-bottom:1px solid #d8dee4;
+ padding-bottom:.2em}
+.attnscope h3{font-size:1em;margin:1em 0 .4em}
+.attnscope .meta{color:#57606a;margin:.2em 0}
+.attnscope code,.attnscope .num{font-family:ui-monospace,"DejaVu Sans Mono",Menlo,Consolas,
+ monospace;font-size:.92em}
+.attnscope table{border-collapse:collapse;margin:.4em 0}
+.attnscope th,.attnscope td{border:1px solid #d8dee4;padding:3px 8px;text-align:left;
+ vertical-align:top}
+.attnscope th{background:#f6f8fa}
+.attnscope td.num,.attnscope table.matrix td{text-align:right;white-space:nowrap}
+.attnscope table.matrix td,.attnscope table.matrix th{padding:2px 6px;font-size:.85em}
+.attnscope table.matrix td.masked{background:repeating-linear-gradient(45deg,#e4e4e4 0 4px,
+ #cfcfcf 4px 6px);color:#444}
+.attnscope .pass{color:#1a7f37;font-weight:600}
+.attnscope .fail{color:#cf222e;font-weight:600}
+.attnscope tr.failing td{background:#ffebe9}
+.attnscope .verdict{font-size:1.1em;padding:.5em .8em;border-radius:6px;margin:.6em 0}
+.attnscope .verdict.ok{background:#dafbe1;border:1px solid #4ac26b}
+.attnscope .verdict.bad{background:#ffebe9;border:1px solid #ff8182}
+.attnscope .failure{border:2px solid #cf222e;border-radius:8px;padding:.3em 1em 1em;
+ background:#fff8f7;margin:1em 0}
+.attnscope .failure h2{border-bottom-color:#ffcecb;color:#cf222e}
+.attnscope .message{font-size:1.05em;margin:.4em 0}
+.attnscope .side{display:flex;flex-wrap:wrap;gap:18px;align-items:flex-start}
+.attnscope .side>div{min-width:0}
+.attnscope figure{margin:.6em 0 1.2em}
+.attnscope .figures{display:flex;flex-wrap:wrap;gap:8px 28px;align-items:flex-start}
+.attnscope .figures figure{max-width:100%}
+.attnscope figure img{max-width:100%;height:auto;display:block}
+.attnscope figcaption{color:#57606a;font-size:.9em;margin-top:.2em}
+.attnscope .note{color:#57606a;font-style:italic}
+"""
+
+# Colour ramps for the tables (no matplotlib needed): viridis, Blues, and red-blue.
+_RAMPS = {
+    "values": ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"],
+    "weights": ["#f7fbff", "#c6dbef", "#6baed6", "#2171b5", "#08306b"],
+    "diff": ["#2166ac", "#92c5de", "#f7f7f7", "#f4a582", "#b2182b"],
+}
+
+
+# --- small pieces ---------------------------------------------------------------------------
+
+
+def _shape(shape: Iterable[int] | None) -> str:
+    return "—" if shape is None else escape(str(tuple(shape)))
+
+
+def _verdict(ok: bool) -> str:
+    return '<span class="pass">✓ pass</span>' if ok else '<span class="fail">✗ fail</span>'
+
+
+def _num(value: float, digits: int = 4) -> str:
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "−inf" if value < 0 else "inf"
+    if abs(value) >= 1e5:  # fill values like -1e9 would swamp the column
+        return f"{value:.3g}"
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
+def _ramp(group: str, t: float) -> str:
+    """The colour at ``t`` in [0, 1] along the group's ramp, as ``#rrggbb``."""
+    stops = _RAMPS.get(group, _RAMPS["values"])
+    t = min(max(t, 0.0), 1.0) * (len(stops) - 1)
+    i = min(int(t), len(stops) - 2)
+    a, b = stops[i], stops[i + 1]
+    mix = [
+        round(int(a[k : k + 2], 16) * (1 - (t - i)) + int(b[k : k + 2], 16) * (t - i))
+        for k in (1, 3, 5)
+    ]
+    return "#" + "".join(f"{c:02x}" for c in mix)
+
+
+def _ink(hex_colour: str) -> str:
+    r, g, b = (int(hex_colour[k : k + 2], 16) / 255 for k in (1, 3, 5))
+    return "#000" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.5 else "#fff"
+
+
+def _matrix_table(
+    values: np.ndarray,
+    *,
+    rows: Sequence[str] | None = None,
+    cols: Sequence[str] | None = None,
+    group: str = "values",
+    mask: np.ndarray | None = None,
+    digits: int = 4,
+    bounds: tuple[float, float] | None = None,
+) -> str:
+    """A matrix as a table of numbers on their colours; masked cells hatched grey.
+
+    ``group`` picks the colours: ``"values"`` (viridis), ``"weights"`` (blues from 0),
+    ``"diff"`` (blue-white-red around 0) or ``"plain"`` (none).
+    """
+    values = np.atleast_2d(np.asarray(values, dtype=np.float64))
+    mask = ~np.isfinite(values) if mask is None else np.asarray(mask, bool) | ~np.isfinite(values)
+    lo, hi = bounds or value_range(np.where(mask, np.nan, values), group)
+    n_rows, n_cols = values.shape
+    rows = [str(i) for i in range(n_rows)] if rows is None else rows
+    cols = [str(i) for i in range(n_cols)] if cols is None else cols
+    head = "".join(f"<th>{escape(c)}</th>" for c in cols)
+    out = [f'<table class="matrix"><tr><th></th>{head}</tr>']
+    for r in range(n_rows):
+        cells = []
+        for c in range(n_cols):
+            v = float(values[r, c])
+            if mask[r, c]:
+                text = _num(v, digits) if not math.isfinite(v) else ""
+                cells.append(f'<td class="masked" title="masked">{text}</td>')
+            elif group == "plain":
+                cells.append(f"<td>{_num(v, digits)}</td>")
+            else:
+                bg = _ramp(group, (v - lo) / (hi - lo))
+                style = f"background:{bg};color:{_ink(bg)}"
+                cells.append(f'<td style="{style}">{_num(v, digits)}</td>')
+        out.append(f"<tr><th>{escape(rows[r])}</th>{''.join(cells)}</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    # A PNG's IHDR chunk holds width and height at bytes 16..24.
+    return struct.unpack(">II", data[16:24])
+
+
+def _figure_img(fig: Figure, alt: str, css_class: str = "") -> str:
+    """A figure as an ``<img>`` with a base64 PNG, sized to its natural width."""
+    from .figures import figure_bytes
+
+    data = figure_bytes(fig, "png", dpi=_DPI)
+    # Shown at 88 CSS pixels per figure inch (a CSS inch is 96): two 6-token heatmaps fit
+    # side by side in the report's 1200 pixels.
+    width = round(_png_size(data)[0] * 88 / _DPI)
+    src = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+    cls = f' class="{css_class}"' if css_class else ""
+    return f'<img{cls} alt="{escape(alt)}" width="{width}" src="{src}">'
+
+
+def _figures_available() -> bool:
+    from .figures import _require_matplotlib
+
+    try:
+        _require_matplotlib()
+    except AttnScopeError:
+        return False
+    return True
+
+
+def _page(body: str, title: str, full_page: bool) -> str:
+    div = f'<div class="attnscope"><style>{_CSS}</style>\n{body}\n</div>'
+    if not full_page:
+        return div
+    from .. import __version__
+
+    # The policy allows inline styles and data: images only: no script, font or fetch.
+    csp = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+    return (
+        '<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f'<meta http-equiv="Content-Security-Policy" content="{csp}">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f'<meta name="generator" content="attnscope {escape(__version__)}">\n'
+        f"<title>{escape(title)}</title>\n</head>\n<body>\n{div}\n</body>\n</html>\n"
+    )
+
+
+def _finish(text: str, path: str | Path | None, overwrite: bool) -> str:
+    if path is not None:
+        write_output(path, text, overwrite=overwrite)
+    return text
+
+
+# --- trace report ---------------------------------------------------------------------------
+
+
+def _stage_table(trace: Trace) -> str:
+    rows = [
+        '<table class="stages"><tr><th>stage</th><th>rule</th><th>predicted shape</th>'
+        "<th>actual shape</th><th>result</th></tr>"
+    ]
+    for c in trace.shape_checks():
+        cls = "" if c.ok else ' class="failing"'
+        rows.append(
+            f"<tr{cls}><td><code>{c.stage.value}</code></td><td>{escape(c.rule)}</td>"
+            f'<td class="num">{_shape(c.predicted)}</td><td class="num">{_shape(c.actual)}</td>'
+            f"<td>{_verdict(c.ok)}</td></tr>"
+        )
+    rows.append("</table>")
+    return "".join(rows)
+
+
+def _checks_table(checks: Iterable[tuple[str, bool, str]]) -> str:
+    rows = ['<table class="checks"><tr><th>check</th><th>result</th><th>detail</th></tr>']
+    for name, ok, detail in checks:
+        cls = "" if ok else ' class="failing"'
+        rows.append(
+            f"<tr{cls}><td>{escape(str(name))}</td><td>{_verdict(bool(ok))}</td>"
+            f"<td>{escape(str(detail))}</td></tr>"
+        )
+    rows.append("</table>")
+    return "".join(rows)
+
+
+def _heatmaps(trace: Trace, figures: bool) -> str:
+    from .figures import MATRIX_STAGES, heatmap, stage_panels
+
+    tokens = trace.dims.tokens
+    cell = (1, 1) if tokens >= 2 else None
+    parts = []
+    if cell is not None:
+        parts.append(
+            '<p class="note">The outlined cell is the second query (row 1) against key 1, '
+            "the score the walk below computes by hand.</p>"
+        )
+    if figures:
+        parts.append('<div class="figures">')
+        for st in MATRIX_STAGES:
+            if st.value in trace:
+                fig = heatmap(trace, st, highlight=cell)
+                img = _figure_img(fig, f"heatmap of {st.value}", "heatmap")
+                parts.append(
+                    f"<figure>{img}<figcaption><code>{st.value}</code>: rows are queries, "
+                    f"columns are keys; {escape(st.rule)}.</figcaption></figure>"
+                )
+        parts.append("</div>")
+        return "".join(parts)
+    parts.append(
+        '<p class="note">matplotlib is not installed (pip install attnscope[plot]): '
+        "matrices shown as tables.</p>"
+    )
+    for st in MATRIX_STAGES:
+        if st.value not in trace:
+            continue
+        for panel in stage_panels(trace, st):
+            title = st.value + (f", {panel.title}" if panel.title else "")
+            table = _matrix_table(
+                panel.values,
+                rows=trace.labels,
+                cols=trace.labels,
+                group="weights" if st is Stage.WEIGHTS else "values",
+                mask=panel.mask,
+            )
+            parts.append(f"<h3><code>{escape(title)}</code> (rows: queries, columns: keys)</h3>")
+            parts.append(table)
+    return "".join(parts)
+
+
+def _rows(vec: torch.Tensor | None, name: str, width: int) -> list[tuple[str, np.ndarray]]:
+    """A walk vector as named rows: ``(d,)`` is one row, ``(H, d)`` one row per head."""
+    if vec is None:
+        return []
+    rows = vec.detach().to("cpu", torch.float64).reshape(-1, width).numpy()
+    if len(rows) == 1:
+        return [(name, rows[0])]
+    return [(f"{name}, head {h}", row) for h, row in enumerate(rows)]
+
+
+def _walk(trace: Trace) -> str:
+    """The seed's single-query computation for token 1, step by step."""
+    if trace.dims.tokens < 2:
+        return ""
+    w = trace.walk(1)
+    t = trace.dims.tokens
+    per_key = [
+        *_rows(w.scores, "scores", t),
+        *_rows(w.scaled_scores, "scaled_scores", t),
+        *_rows(w.masked_scores, "masked_scores", t),
+    ]
+    weights = _rows(w.weights, "weights", t)
+    hidden = np.zeros((len(per_key) + len(weights), t), bool)
+    if w.masked_scores is not None:  # zero weights of masked keys are drawn as masked
+        hide = torch.isneginf(w.masked_scores).reshape(-1, t).numpy()
+        hidden[len(per_key) :] = hide
+    per_key += weights
+    keys_table = _matrix_table(
+        np.stack([v for _, v in per_key]),
+        rows=[n for n, _ in per_key],
+        cols=trace.labels,
+        group="plain",
+        mask=hidden,
+    )
+    width = w.context.shape[-1]
+    vectors = [
+        *_rows(w.context, "context of this query alone", width),
+        *_rows(w.batched_context, "row 1 of the batched context", width),
+    ]
+    query = _rows(w.query, "query", w.query.shape[-1])
+    return "".join(
+        [
+            f"<h2>Single query: token 1 “{escape(w.label)}”</h2>",
+            '<p class="meta">The query is projected from this token alone, scored against '
+            "every key, normalised, and used to weight the values; its context must equal "
+            "row 1 of the batched context.</p>",
+            _matrix_table(
+                np.stack([v for _, v in query]), rows=[n for n, _ in query], group="plain"
+            ),
+            "<h3>This query against every key</h3>",
+            keys_table,
+            "<h3>Its context vector</h3>",
+            _matrix_table(
+                np.stack([v for _, v in vectors]), rows=[n for n, _ in vectors], group="plain"
+            ),
+            f"<p>{_verdict(w.matches)}: the single-query context "
+            f"{'matches' if w.matches else 'does not match'} row 1 of the batched context "
+            f"(largest difference {w.max_abs_diff:.1e}).</p>",
+        ]
+    )
+
+
+def trace_html(
+    trace: Trace,
+    path: str | Path | None = None,
+    *,
+    checks: Iterable[tuple[str, bool, str]] | None = None,
+    title: str | None = None,
+    overwrite: bool = False,
+    full_page: bool | None = None,
+) -> str:
+    """A self-contained HTML report of a trace.
+
+    Shows the stages table (stage, rule, predicted and actual shape, pass/fail), the
+    optional ``checks``, the pipeline figure, a heatmap of every ``(T, T)`` stage and the
+    single-query walk for token 1.
+
+    Args:
+        trace: a :class:`~attnscope.Trace`.
+        path: write the page there (refusing to replace a file unless ``overwrite``).
+        checks: ``(name, ok, detail)`` rows to show above the stages, e.g. the demo's.
+        title: the page title (default names the module and kind).
+        full_page: a whole ``<!doctype html>`` page (default: when ``path`` is given) or a
+            ``<div>`` fragment for notebooks.
+
+    Returns:
+        the HTML text.
+    """
+    if full_page is None:
+        full_page = path is not None
+    module = "simplified attention" if trace.module is None else type(trace.module).__name__
+    title = title or f"attnscope trace: {module} ({trace.kind})"
+    d = trace.dims
+    sizes = [f"{d.tokens} tokens", f"d_in={d.d_in}", f"d_out={d.d_out}"]
+    if d.num_heads:
+        sizes.append(f"{d.num_heads} heads of {d.head_dim}")
+    if d.batch is not None:
+        sizes.append(f"batch of {d.batch} (pictures show sequence 0)")
+    labels = ", ".join(f"<code>{escape(label)}</code>" for label in trace.labels)
+    body = [
+        f"<h1>{escape(title)}</h1>",
+        f'<p class="meta">kind <code>{escape(trace.kind)}</code> · {escape(", ".join(sizes))}</p>',
+        f'<p class="meta">tokens: {labels}</p>',
+    ]
+    if checks is not None:
+        body += ["<h2>Checks</h2>", _checks_table(checks)]
+    body += ["<h2>Stages</h2>", _stage_table(trace)]
+    figures = _figures_available()
+    if figures:
+        from .figures import pipeline_figure
+
+        img = _figure_img(pipeline_figure(trace), "the attention pipeline", "pipeline")
+        body += [
+            "<h2>Pipeline</h2>",
+            f"<figure>{img}<figcaption>Every box is a real tensor of this trace: its stage "
+            "name, the operation that made it, its shape and (when small) its values."
+            "</figcaption></figure>",
+        ]
+    body += ["<h2>Heatmaps</h2>", _heatmaps(trace, figures), _walk(trace)]
+    return _finish(_page("\n".join(body), title, full_page), path, overwrite)
+
+
+# --- check report ---------------------------------------------------------------------------
+
+
+def _as_matrices(t: torch.Tensor | None) -> list[tuple[str, np.ndarray]]:
+    """Split a tensor into 2-D matrices to draw: ``(suffix, (rows, cols))``.
+
+    A vector is one row; ``(H, T, d)`` gives one matrix per head (the first 4); a leading
+    batch axis beyond that keeps sequence 0.
+    """
+    if t is None:
+        return []
+    a = t.detach().to("cpu", torch.float64).numpy()
+    while a.ndim > 3:
+        a = a[0]
+    if a.ndim <= 2:
+        return [("", np.atleast_2d(a))]
+    return [(f"head {h}", a[h]) for h in range(min(a.shape[0], 4))]
+
+
+def _difference(observed: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """``observed - reference``; equal infinities (both masked) count as no difference."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = observed - reference
+    return np.where(observed == reference, 0.0, diff)
+
+
+def _failing_check(report: CheckReport) -> StageCheck | None:
+    failure = report.first_failure
+    for c in report.checks:
+        if not c.ok and (failure is None or c.stage == failure.stage):
+            return c
+    return next((c for c in report.checks if not c.ok), None)
+
+
+def _side_by_side(check: StageCheck, figures: bool) -> str:
+    """Reference, observed and their difference at the failing stage: tables and heatmaps."""
+    from .figures import MATRIX_STAGES, Panel, matrix_figure
+
+    ref, obs = _as_matrices(check.reference), _as_matrices(check.observed)
+    group = "weights" if check.stage is Stage.WEIGHTS else "values"
+    columns = [("reference", ref, group), ("your code", obs, group)]
+    same_shape = bool(ref) and [m.shape for _, m in ref] == [m.shape for _, m in obs]
+    if same_shape:
+        diffs = [(s, _difference(o, r)) for (s, r), (_, o) in zip(ref, obs, strict=True)]
+        columns.append(("difference (yours − reference)", diffs, "diff"))
+    # One colour scale, the reference's, for both: equal numbers get equal colours, and a
+    # wrong value (a -1e9 fill, say) shows at the scale's end without flattening the rest.
+    basis = [m.ravel() for _, m in (ref or obs)]
+    bounds = value_range(np.concatenate(basis), group) if basis else None
+    out = ['<div class="side">']
+    for name, mats, grp in columns:
+        out.append(f'<div class="side-item"><h3>{escape(name)}</h3>')
+        if not mats:
+            missing = "no reference recorded" if name == "reference" else "not observed"
+            out.append(f'<p class="note">{missing}</p></div>')
+            continue
+        for suffix, m in mats:
+            caption = f"{suffix}, " if suffix else ""
+            out.append(f'<p class="meta">{escape(caption)}shape {_shape(m.shape)}</p>')
+            if max(m.shape) <= TABLE_MAX:
+                out.append(_matrix_table(m, group=grp, bounds=None if grp == "diff" else bounds))
+            else:
+                out.append('<p class="note">too large for a table: see the heatmaps</p>')
+        out.append("</div>")
+    out.append("</div>")
+    if ref and obs and not same_shape:
+        out.append('<p class="note">The shapes differ: there is no cell-by-cell difference.</p>')
+    if figures and (ref or obs):
+        stage = check.stage.value
+        panels = [
+            Panel(
+                name + (f", {s}" if s else ""),
+                m,
+                group=grp,
+                label="difference" if grp == "diff" else stage,
+                scale=name != "your code" or not ref,
+            )
+            for name, mats, grp in columns
+            for s, m in mats
+        ]
+        key = check.stage in MATRIX_STAGES
+        fig = matrix_figure(
+            panels,
+            xlabel="key" if key else "feature",
+            ylabel="query" if key else "token",
+            title=f"{stage}: " + ", ".join(name for name, mats, _ in columns if mats),
+            per_row=3,
+        )
+        alt = f"heatmaps of {check.stage.value}: reference, your code, difference"
+        out.append(f"<figure>{_figure_img(fig, alt, 'heatmap')}</figure>")
+    return "".join(out)
+
+
+def _check_stage_table(report: CheckReport, failing: StageCheck | None) -> str:
+    rows = [
+        '<table class="stages"><tr><th>stage</th><th>predicted shape</th>'
+        "<th>actual shape</th><th>result</th><th>detail</th><th>location</th></tr>"
+    ]
+    for c in report.checks:
+        cls = ' class="failing"' if c is failing else ""
+        location = f"<code>{escape(c.location)}</code>" if c.location else ""
+        rows.append(
+            f"<tr{cls}><td><code>{c.stage.value}</code></td>"
+            f'<td class="num">{_shape(c.predicted)}</td><td class="num">{_shape(c.actual)}</td>'
+            f"<td>{_verdict(c.ok)}</td><td>{escape(c.detail)}</td><td>{location}</td></tr>"
+        )
+    rows.append("</table>")
+    return "".join(rows)
+
+
+def check_html(
+    report: CheckReport,
+    path: str | Path | None = None,
+    *,
+    overwrite: bool = False,
+    full_page: bool | None = None,
+) -> str:
+    """A self-contained HTML page of a check report.
+
+    The verdict; the first failing stage highlighted with its mistake code, message and
+    location, the reference and your tensor side by side with their difference (tables and
+    heatmaps); the stages table (predicted and actual shape, pass/fail, detail, location);
+    the kind and why it was inferred; notes.
+
+    Args:
+        report: a :class:`~attnscope.checking.CheckReport`.
+        path: write the page there (refusing to replace a file unless ``overwrite``).
+        full_page: a whole ``<!doctype html>`` page (default: when ``path`` is given) or a
+            ``<div>`` fragment for notebooks.
+
+    Returns:
+        the HTML text.
+    """
+    from ..checking.mistakes import MISTAKES
+
+    if full_page is None:
+        full_page = path is not None
+    title = f"attnscope check: {report.target}"
+    failure = report.first_failure
+    failing = _failing_check(report)
+    body = [f"<h1>{escape(title)}</h1>"]
+    if report.ok:
+        body.append('<p class="verdict ok">✓ Matches the reference at every stage.</p>')
+    else:
+        where = f" at <code>{failure.stage.value}</code>" if failure else ""
+        body.append(f'<p class="verdict bad">✗ Diverges from the reference{where}.</p>')
+    reason = f" — {escape(report.kind_reason)}" if report.kind_reason else ""
+    body.append(f'<p class="meta">kind <code>{escape(report.kind)}</code>{reason}</p>')
+    if failure is not None:
+        mistake = MISTAKES.get(failure.mistake)
+        meaning = f" — {escape(mistake.meaning)}" if mistake else ""
+        location = failure.location or (failing.location if failing else None)
+        body += [
+            '<section class="failure" id="first-failure">',
+            f"<h2>First failure: <code>{failure.stage.value}</code></h2>",
+            f'<p class="meta">mistake <code>{escape(failure.mistake)}</code>{meaning}</p>',
+            f'<p class="message">{escape(failure.message)}</p>',
+        ]
+        if location:
+            body.append(f'<p class="meta">look at <code>{escape(location)}</code></p>')
+        if failing is not None:
+            body.append(_side_by_side(failing, _figures_available()))
+        body.append("</section>")
+    body += ["<h2>Stages</h2>", _check_stage_table(report, failing)]
+    if report.notes:
+        notes = "".join(f"<li>{escape(n)}</li>" for n in report.notes)
+        body += ["<h2>Notes</h2>", f"<ul>{notes}</ul>"]
+    return _finish(_page("\n".join(body), title, full_page), path, overwrite)

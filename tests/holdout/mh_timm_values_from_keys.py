@@ -1,0 +1,30 @@
+"""timm-style attention that unpacks the permuted qkv tensor as qkv[0], qkv[1], qkv[1]."""
+
+import torch.nn as nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads, qkv_bias=False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.scale = (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads)
+        qkv = qkv.permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[1]
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        x = (attn.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, N, C)
+        return self.proj(x)
+
+
+EXPECT = {
+    "target": "Attention",
+    "kind": "multihead",
+    "ok": False,
+    "stage": "values",
+    "mistake": "wrong_projection",
+}
