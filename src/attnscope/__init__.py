@@ -8,6 +8,7 @@ runs anyone's attention code and names the first stage that goes wrong.
 from __future__ import annotations
 
 from . import functional
+from .checking import CheckReport, check
 from .errors import AttnScopeError
 from .examples import BOOK_TOKENS, TOY_TOKENS, book_embeddings, toy_scores
 from .modules import CausalAttention, MultiHeadAttention, SelfAttentionV1, SelfAttentionV2
@@ -20,6 +21,7 @@ __all__ = [
     "AttnScopeError",
     "BOOK_TOKENS",
     "CausalAttention",
+    "CheckReport",
     "Dims",
     "KINDS",
     "MultiHeadAttention",
@@ -30,6 +32,7 @@ __all__ = [
     "TOY_TOKENS",
     "Trace",
     "book_embeddings",
+    "check",
     "functional",
     "toy_scores",
     "trace",

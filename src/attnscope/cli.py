@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--kind", choices=KINDS, help="the kind of attention (default: inferred)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument(
-        "--init", metavar="JSON", help='constructor arguments as a JSON object, e.g. \'{"d_in": 3}\''
+        "--init",
+        metavar="JSON",
+        help="constructor arguments as a JSON object, e.g. '{\"d_in\": 3}'",
     )
     check.add_argument("--seed", type=int, default=0, help="seed for the probe inputs (default 0)")
     check.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds")
@@ -292,7 +294,9 @@ def _cmd_trace(args) -> int:
     checks = [c.as_tuple() for c in trace_checks(tr, token)]
     _emit(trace_text(tr, token=token, checks=checks))
     if trace_html is not None:
-        trace_html(tr, str(html), checks=checks, title=f"attnscope trace: {tr.kind}", overwrite=args.force)
+        trace_html(
+            tr, str(html), checks=checks, title=f"attnscope trace: {tr.kind}", overwrite=args.force
+        )
         print(f"wrote {html}", file=sys.stderr)
     return 0 if all(ok for _, ok, _ in checks) else 1
 
@@ -308,7 +312,9 @@ def _cmd_plot(args) -> int:
             f"{out.suffix or 'no suffix'!r}"
         )
     if args.pipeline and (args.stage or args.highlight):
-        raise AttnScopeError("--pipeline draws the whole pipeline; --stage and --highlight are for heatmaps")
+        raise AttnScopeError(
+            "--pipeline draws the whole pipeline; --stage and --highlight are for heatmaps"
+        )
     stage = args.stage or "weights"
     if args.kind != "simplified" and stage not in [s.value for s in stages_for_kind(args.kind)]:
         raise AttnScopeError(
@@ -361,7 +367,7 @@ def _parse_init(text: str | None) -> dict | None:
         raise AttnScopeError(f"--init: expected a JSON object, got invalid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise AttnScopeError(
-            f"--init: expected a JSON object like '{{\"d_in\": 3, \"d_out\": 2}}', got "
+            f'--init: expected a JSON object like \'{{"d_in": 3, "d_out": 2}}\', got '
             f"{type(value).__name__} {text!r}"
         )
     return value

@@ -452,7 +452,11 @@ def _self(x, labels, t, book, seed):
             f"Scale by sqrt(d_k) = sqrt({d_out}), then softmax",
             "Predict: positive weights that sum to 1, one per key; the ordering of the scores "
             "is kept.",
-            [Shape("weights (one query)", (len(labels),), tuple(walk.weights.shape), "one per key")],
+            [
+                Shape(
+                    "weights (one query)", (len(labels),), tuple(walk.weights.shape), "one per key"
+                )
+            ],
             [Shown("weights", walk.weights, None, labels)],
             checks,
         )
@@ -513,7 +517,9 @@ def _self(x, labels, t, book, seed):
             f"values and stores its weight transposed, ({d_out}, {d_in})).",
             [
                 Shape("output", (len(labels), d_out), tuple(out2.shape), "one row per token"),
-                Shape("W_query.weight", (d_out, d_in), tuple(v2.W_query.weight.shape), "d_out x d_in"),
+                Shape(
+                    "W_query.weight", (d_out, d_in), tuple(v2.W_query.weight.shape), "d_out x d_in"
+                ),
             ],
             [Shown("output", out2, labels)],
             checks,
@@ -760,7 +766,9 @@ def run_demo(
     elif kind in DEMO_KINDS:
         parts = (kind,)
     else:
-        raise AttnScopeError(f"kind: expected one of {', '.join(DEMO_KINDS)} or 'all', got {kind!r}")
+        raise AttnScopeError(
+            f"kind: expected one of {', '.join(DEMO_KINDS)} or 'all', got {kind!r}"
+        )
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise AttnScopeError(f"seed: expected an integer, got {describe(seed)}")
     book = x is None and seed is None
@@ -836,10 +844,11 @@ def trace_checks(tr: Trace, token: int) -> list[Check]:
         Check(
             "every stage has its predicted shape",
             not bad,
-            f"{len(tr.stages)} stages" if not bad else f"differs: {', '.join(str(c.stage) for c in bad)}",
+            f"{len(tr.stages)} stages"
+            if not bad
+            else f"differs: {', '.join(str(c.stage) for c in bad)}",
         ),
         _rows_are_distributions(tr["weights"], causal="masked_scores" in tr),
         _walk_check(tr, token),
     ]
     return checks
-

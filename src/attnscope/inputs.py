@@ -97,11 +97,21 @@ def _read_pt(path: Path) -> tuple[object, object]:
                 f"{path}: expected a tensor or a dict with an 'embeddings' key, got a dict with "
                 f"keys {keys}"
             )
-        return obj["embeddings"], obj.get("labels")
-    return obj, None
+        data, labels = obj["embeddings"], obj.get("labels")
+    else:
+        data, labels = obj, None
+    if not isinstance(data, torch.Tensor):
+        raise AttnScopeError(
+            f"{path}: expected a tensor or a dict with an 'embeddings' tensor, got {describe(data)}"
+        )
+    return data, labels
 
 
 def _read_npy(path: Path) -> np.ndarray:
+    with path.open("rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":  # else np.load would try to unpickle it
+        raise AttnScopeError(f"{path}: expected a .npy array (np.save), could not read it")
     try:
         return np.load(path, allow_pickle=False)
     except ValueError as exc:
@@ -168,7 +178,9 @@ def _read_csv(path: Path) -> tuple[list[list[float]], list[str] | None]:
                 )
             row.append(number)
         if not row:
-            raise AttnScopeError(f"{path}, line {lineno}: expected numbers after the label, got none")
+            raise AttnScopeError(
+                f"{path}, line {lineno}: expected numbers after the label, got none"
+            )
         values.append(row)
     return values, (labels if has_labels else None)
 
@@ -194,7 +206,9 @@ def _validate(data: object, path: Path, ranks: tuple[int, ...]) -> torch.Tensor:
             f"{path}: expected shape {want}, got shape {tuple(tensor.shape)} (rank {tensor.dim()})"
         )
     if tensor.shape[-2] == 0:
-        raise AttnScopeError(f"{path}: expected at least one token, got shape {tuple(tensor.shape)}")
+        raise AttnScopeError(
+            f"{path}: expected at least one token, got shape {tuple(tensor.shape)}"
+        )
     if tensor.numel() == 0:
         raise AttnScopeError(
             f"{path}: expected at least one feature per token, got shape {tuple(tensor.shape)}"

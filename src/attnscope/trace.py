@@ -170,7 +170,7 @@ class Trace:
     def __str__(self) -> str:
         from .render.text import trace_text
 
-        return trace_text(self)
+        return trace_text(self, color=False)  # str() is plain text wherever it is printed
 
 
 def _labels(labels: Sequence[str] | None, tokens: int) -> tuple[str, ...]:

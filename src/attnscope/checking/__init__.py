@@ -1,6 +1,7 @@
 """`attnscope check`: run anyone's attention code and name the first stage that goes wrong."""
 
+from .engine import check
 from .mistakes import MISTAKES
 from .report import CheckReport, Failure, StageCheck
 
-__all__ = ["MISTAKES", "CheckReport", "Failure", "StageCheck"]
+__all__ = ["MISTAKES", "CheckReport", "Failure", "StageCheck", "check"]

@@ -272,6 +272,8 @@ def _normalise_names(names: dict[str, str]) -> dict[str, str]:
 
 
 def _assemble(module, parts, where, heads) -> Binding:
+    if heads is None and isinstance(parts.get("q"), ListWeight):
+        heads = len(parts["q"].modules)  # one projection per head
     if "qkv" in parts and not {"q", "k", "v"} <= parts.keys():
         readings = _readings(parts["qkv"], where["qkv"], None)
         triples = []

@@ -33,6 +33,7 @@ from .reference import (
     describe_scale,
     mutations,
     pipeline,
+    project,
     scores_kind_mutations,
     with_scale,
 )
@@ -53,6 +54,7 @@ def check(
     seed: int = 0,
     timeout: float | None = None,
     weights: dict[str, str] | None = None,
+    tokens: int | None = None,
 ) -> CheckReport:
     """Check an attention implementation against the reference, stage by stage.
 
@@ -67,6 +69,7 @@ def check(
         timeout: seconds each call of the target may take.
         weights: roles to parameter/submodule paths (``{"query": "W_q", ...}``) where the
             weights cannot be found by their names.
+        tokens: probe length; by default a small number that differs from every size.
 
     Returns:
         A :class:`CheckReport`; ``report.ok`` is True when every stage matches.
@@ -75,9 +78,15 @@ def check(
         AttnScopeError: the check could not be done (the target cannot be loaded, raises,
             returns the wrong shape or type, or runs past ``timeout``).
     """
+    if tokens is not None and (
+        isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2
+    ):
+        raise AttnScopeError(f"--tokens: expected an integer of at least 2, got {tokens!r}")
     tgt = load(target, kind=kind, init=init, seed=seed)
     if tgt.is_module:
-        return _ModuleCheck(tgt, kind, seed, timeout, weights).run()
+        chk = _ModuleCheck(tgt, kind, seed, timeout, weights)
+        chk.fixed_tokens = tokens
+        return chk.run()
     return _FunctionCheck(tgt, kind, seed, timeout).run()
 
 
@@ -328,7 +337,11 @@ class _ModuleCheck(_Base):
                 return buf.shape[-1]
         return None
 
+    fixed_tokens: int | None = None
+
     def _tokens(self, binding: Binding | None) -> int:
+        if self.fixed_tokens is not None:
+            return self.fixed_tokens
         taken = {_BATCH}
         if binding is not None:
             taken |= {binding.d_in, binding.d_out}
@@ -603,11 +616,12 @@ class _ModuleCheck(_Base):
         batch = max(c.x.shape[0] for c in self.calls)
         combined = self.w is not None and "[q|k|v]" in self.w.source
         candidates = mutations(self.spec, tokens, batch, combined_qkv=combined)
+        projs = [project(c.x, self.spec, self.w) for c in self.calls]
         for mut in candidates:
             outs = []
             try:
-                for c in self.calls:
-                    outs.append(pipeline(c.x, self.spec, self.w, mut))
+                for c, p in zip(self.calls, projs, strict=True):
+                    outs.append(pipeline(c.x, self.spec, self.w, mut, p))
             except (RuntimeError, ValueError, IndexError):
                 continue
             if all(
@@ -622,21 +636,23 @@ class _ModuleCheck(_Base):
     def _fit_scale(self, template: Mutation) -> tuple[Mutation, dict] | None:
         """A scale factor nobody named: search it on a log grid, then refine."""
 
+        projs = [project(call.x, self.spec, self.w) for call in self.calls]
+
         def err(c: float) -> float:
             total = 0.0
-            for call in self.calls:
-                o = pipeline(call.x, self.spec, self.w, with_scale(template, c, ""))["output"]
+            for call, p in zip(self.calls, projs, strict=True):
+                o = pipeline(call.x, self.spec, self.w, with_scale(template, c, ""), p)["output"]
                 d = (o - call.out).abs()
                 if not torch.isfinite(d).all():
                     return math.inf
                 total += (d.max() / max(call.out.abs().max().item(), 1e-12)).item()
             return total
 
-        grid = [10 ** (e / 20) for e in range(-80, 41)]
+        grid = [10 ** (e / 10) for e in range(-40, 21)]
         errs = [err(c) for c in grid]
         i = min(range(len(grid)), key=errs.__getitem__)
         lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-        for _ in range(60):  # golden-section refinement in log space
+        for _ in range(30):  # golden-section refinement in log space
             a, b = math.log(lo), math.log(hi)
             m1, m2 = math.exp(a + (b - a) * 0.382), math.exp(a + (b - a) * 0.618)
             if err(m1) < err(m2):

@@ -122,21 +122,32 @@ class Mutation:
 NONE = Mutation("none", Stage.OUTPUT, "the reference")
 
 
-def pipeline(x: T, spec: Spec, w: Weights | None, mut: Mutation = NONE) -> dict[str, T]:
+def project(x: T, spec: Spec, w: Weights | None) -> tuple[T, T, T]:
+    """Queries, keys, values ``(B, T, d_out)``: computed once, shared by every mutation."""
+    if spec.simplified:
+        return x, x, x
+    return _lin(x, w.q, w.bq), _lin(x, w.k, w.bk), _lin(x, w.v, w.bv)
+
+
+def pipeline(
+    x: T,
+    spec: Spec,
+    w: Weights | None,
+    mut: Mutation = NONE,
+    proj: tuple[T, T, T] | None = None,
+) -> dict[str, T]:
     """Every stage of the reference (or of one mutation) for ``x``.
 
     Args:
         x: ``(B, T, d_in)`` float64.
         spec: kind and sizes; ``w``: the bound weights (``None`` for simplified).
+        proj: :func:`project` of ``x``, when already computed.
 
     Returns:
         stage name -> tensor. Per-head stages are ``(B, H, T, *)`` for multi-head kinds and
         ``(B, T, *)`` otherwise; ``output`` is ``(B, T, d)``.
     """
-    if spec.simplified:
-        q = k = v = x
-    else:
-        q, k, v = _lin(x, w.q, w.bq), _lin(x, w.k, w.bk), _lin(x, w.v, w.bv)
+    q, k, v = proj if proj is not None else project(x, spec, w)
     if mut.qkv is not None:
         q, k, v = mut.qkv(q, k, v)
     heads = spec.num_heads

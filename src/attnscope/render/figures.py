@@ -35,6 +35,7 @@ __all__ = [
     "pipeline_figure",
     "matrix_figure",
     "stage_panels",
+    "trace_name",
     "value_range",
     "Panel",
     "figure_bytes",
@@ -95,6 +96,16 @@ def figure_bytes(fig: Figure, fmt: str = "png", *, dpi: int = DPI) -> bytes:
     with matplotlib.rc_context({"svg.hashsalt": "attnscope"}):
         fig.savefig(buf, format=fmt, dpi=dpi, metadata=metadata)
     return buf.getvalue()
+
+
+def refuse_existing(path: str | Path | None, overwrite: bool) -> None:
+    """Fail before drawing when ``path`` exists and may not be replaced.
+
+    :func:`write_output` makes the same check when writing; asking it with nothing to
+    write gives its message without spending a render first.
+    """
+    if path is not None and not overwrite and Path(path).exists():
+        write_output(path, b"", overwrite=False)  # raises: the file exists
 
 
 def _save(fig: Figure, path: str | Path | None, overwrite: bool) -> None:
@@ -317,6 +328,7 @@ def matrix_figure(
     width = across * (n_cols * cell + 1.3) + 1.2
     height = down * (n_rows * cell + 1.4) + (0.6 if title else 0.2)
     fig = _new_figure(figsize=(max(width, 4.0), max(height, 2.6)), layout="constrained")
+    fig.get_layout_engine().set(w_pad=0.1, h_pad=0.1)  # inches of margin around it all
     axes = fig.subplots(down, across, squeeze=False).ravel()
     groups: dict[str, list[tuple[Panel, Any]]] = {}
     for panel, ax in zip(panels, axes, strict=False):
@@ -351,6 +363,13 @@ def matrix_figure(
 
 
 # --- heatmap of a trace ---------------------------------------------------------------------
+
+
+def trace_name(trace: Trace) -> str:
+    """What was traced, for titles: ``SelfAttentionV1 (self)`` or ``simplified attention``."""
+    if trace.module is None:
+        return "simplified attention"
+    return f"{type(trace.module).__name__} ({trace.kind})"
 
 
 def _select(trace: Trace, tensor: torch.Tensor, batch: int) -> torch.Tensor:
@@ -451,11 +470,12 @@ def heatmap(
     """
     _require_matplotlib()
     st = _matrix_stage(trace, stage)
-    if path is not None:
-        _format_for(path)  # refuse a bad suffix before drawing anything
+    if path is not None:  # refuse a bad name before drawing anything
+        _format_for(path)
+        refuse_existing(path, overwrite)
     cell = _check_highlight(highlight, trace.dims.tokens)
     panels = stage_panels(trace, st, batch)
-    title = f"{st.value} — {trace.kind} attention"
+    title = f"{st.value} — {trace_name(trace)}"
     if trace.dims.batch is not None:
         title += f", sequence {batch}"
     if cell is not None:
@@ -759,6 +779,7 @@ def pipeline_figure(
 
     if path is not None:
         _format_for(path)
+        refuse_existing(path, overwrite)
     boxes = _pipeline_boxes(trace, batch)
     fig = _new_figure(figsize=(8, 4))
     ax = fig.add_axes((0, 0, 1, 1))
@@ -788,13 +809,10 @@ def pipeline_figure(
         sizes += f", {d.num_heads} heads of {d.head_dim}"
     if d.batch is not None:
         sizes += f"; values of sequence {batch} of {d.batch}"
-    name = "simplified attention" if trace.module is None else type(trace.module).__name__
-    if trace.module is not None:
-        name += f" ({trace.kind})"
     ax.text(
         0,
         height + margin + head / 2,
-        f"{name}: {sizes}",
+        f"{trace_name(trace)}: {sizes}",
         fontsize=11,
         weight="bold",
         va="center",

@@ -29,7 +29,7 @@ import torch
 from ..errors import AttnScopeError
 from ..stages import Stage
 from . import write_output
-from .figures import value_range
+from .figures import refuse_existing, trace_name, value_range
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -385,10 +385,10 @@ def trace_html(
     Returns:
         the HTML text.
     """
+    refuse_existing(path, overwrite)
     if full_page is None:
         full_page = path is not None
-    module = "simplified attention" if trace.module is None else type(trace.module).__name__
-    title = title or f"attnscope trace: {module} ({trace.kind})"
+    title = title or f"attnscope trace: {trace_name(trace)}"
     d = trace.dims
     sizes = [f"{d.tokens} tokens", f"d_in={d.d_in}", f"d_out={d.d_out}"]
     if d.num_heads:
@@ -507,7 +507,7 @@ def _side_by_side(check: StageCheck, figures: bool) -> str:
             title=f"{stage}: " + ", ".join(name for name, mats, _ in columns if mats),
             per_row=3,
         )
-        alt = f"heatmaps of {check.stage.value}: reference, your code, difference"
+        alt = fig.get_suptitle().replace(":", ": heatmaps of", 1)
         out.append(f"<figure>{_figure_img(fig, alt, 'heatmap')}</figure>")
     return "".join(out)
 
@@ -554,6 +554,7 @@ def check_html(
     """
     from ..checking.mistakes import MISTAKES
 
+    refuse_existing(path, overwrite)
     if full_page is None:
         full_page = path is not None
     title = f"attnscope check: {report.target}"

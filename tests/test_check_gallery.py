@@ -1,0 +1,69 @@
+"""attnscope check on the gallery: every correct style passes, every bug is named."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import GALLERY, expectations, outcome, target_of, wanted
+
+from attnscope import check
+from attnscope.checking import MISTAKES
+
+CASES = expectations(GALLERY)
+
+
+def test_gallery_covers_every_mistake_code():
+    """One buggy file at least for each mistake code of the contract."""
+    codes = {e["mistake"] for _, e in CASES if not e.get("ok")}
+    assert codes == set(MISTAKES)
+
+
+def test_gallery_has_correct_files_of_every_kind():
+    kinds = {e["kind"] for _, e in CASES if e.get("ok")}
+    assert kinds == {"scores", "simplified", "self", "causal", "multihead", "causal-multihead"}
+
+
+@pytest.mark.parametrize("path,expect", CASES, ids=[p.stem for p, _ in CASES])
+def test_gallery_file_with_its_kind(path, expect):
+    """Given the kind, the checker reaches the expected verdict (stage and mistake)."""
+    report = check(target_of(path, expect), kind=expect["kind"], init=expect.get("init"))
+    assert outcome(report) == wanted(expect), report.to_text(color=False)
+    assert report.kind == expect["kind"]
+
+
+@pytest.mark.parametrize("path,expect", CASES, ids=[p.stem for p, _ in CASES])
+def test_gallery_file_with_inferred_kind(path, expect):
+    """Without --kind the kind is inferred, said with a reason, and the verdict is the same."""
+    report = check(target_of(path, expect), init=expect.get("init"))
+    assert report.kind == expect["kind"], report.kind_reason
+    assert report.kind_reason
+    assert outcome(report) == wanted(expect), report.to_text(color=False)
+
+
+@pytest.mark.parametrize(
+    "path,expect", [c for c in CASES if not c[1].get("ok")], ids=lambda v: getattr(v, "stem", "")
+)
+def test_failing_report_stops_at_the_first_failure(path, expect):
+    """The checklist is walked in order and ends at the failing stage, with a message."""
+    report = check(target_of(path, expect), kind=expect["kind"], init=expect.get("init"))
+    assert [c.ok for c in report.checks][-1] is False
+    assert all(c.ok for c in report.checks[:-1])
+    assert report.checks[-1].stage is report.first_failure.stage
+    assert report.first_failure.message.startswith(report.first_failure.stage.value)
+
+
+def test_wrong_scale_message_names_the_factor_used_and_expected():
+    path = GALLERY / "buggy" / "self_scale_by_dk.py"
+    report = check(f"{path}:SelfAttention", kind="self")
+    msg = report.first_failure.message
+    assert "1/d_k" in msg and "1/sqrt(d_k)" in msg
+
+
+def test_failure_points_at_the_users_line():
+    """The message names the line of the user's file where the wrong tensor was made."""
+    path = GALLERY / "buggy" / "self_softmax_dim1.py"
+    report = check(f"{path}:BatchedSelfAttention", kind="self")
+    assert report.first_failure.location is not None
+    assert report.first_failure.location.startswith(str(path))
+    line = int(report.first_failure.location.rsplit(":", 1)[1])
+    source = path.read_text().splitlines()[line - 1]
+    assert "softmax" in source

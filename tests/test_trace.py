@@ -1,0 +1,125 @@
+"""Traces: stages by name in pipeline order, predicted against actual shapes, the walk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnscope
+from attnscope import CausalAttention, MultiHeadAttention, SelfAttentionV1, SelfAttentionV2
+from attnscope.errors import AttnScopeError
+from attnscope.stages import stages_for_kind
+
+
+@pytest.fixture
+def inputs() -> torch.Tensor:
+    return attnscope.book_embeddings()
+
+
+def _traced(kind: str, x: torch.Tensor):
+    torch.manual_seed(123)
+    if kind == "simplified":
+        return attnscope.trace("simplified", x)
+    module = {
+        "self": lambda: SelfAttentionV1(x.shape[-1], 4),
+        "causal": lambda: CausalAttention(x.shape[-1], 4, x.shape[-2], 0.0),
+        "multihead": lambda: MultiHeadAttention(x.shape[-1], 4, x.shape[-2], 0.0, 2, causal=False),
+        "causal-multihead": lambda: MultiHeadAttention(x.shape[-1], 4, x.shape[-2], 0.0, 2),
+    }[kind]()
+    return module.trace(x)
+
+
+KINDS = ["simplified", "self", "causal", "multihead", "causal-multihead"]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_trace_has_the_kinds_stages_in_order_with_predicted_shapes(inputs, kind, batched):
+    x = torch.stack((inputs, inputs.flip(0))) if batched else inputs
+    tr = _traced(kind, x)
+    assert tr.kind == kind
+    assert list(tr) == [s.value for s in stages_for_kind(kind)]
+    checks = tr.shape_checks()
+    assert [c.stage.value for c in checks] == list(tr)
+    assert all(c.ok for c in checks), [(c.stage, c.predicted, c.actual) for c in checks]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trace_output_equals_the_modules_forward(inputs, kind):
+    tr = _traced(kind, inputs)
+    if tr.module is None:
+        expected = attnscope.functional.simplified_attention(inputs)
+    else:
+        with torch.no_grad():
+            expected = tr.module(inputs)
+    assert torch.allclose(tr.output, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_walk_of_every_token_equals_its_batched_row(inputs, kind):
+    tr = _traced(kind, inputs)
+    for token in range(6):
+        walk = tr.walk(token)
+        assert walk.matches, (token, walk.max_abs_diff)
+        assert torch.allclose(walk.weights.sum(-1), torch.ones(()), atol=1e-6)
+
+
+def test_walk_of_a_batched_trace_uses_the_chosen_sequence(inputs):
+    x = torch.stack((inputs, inputs.flip(0) * 0.5))
+    tr = _traced("causal-multihead", x)
+    walk = tr.walk(2, batch=1)
+    assert walk.matches
+    assert torch.equal(walk.batched_context, tr["context"][1, :, 2, :])
+
+
+def test_walk_shows_the_scores_of_one_query_row(inputs):
+    tr = _traced("self", inputs)
+    walk = tr.walk(1)
+    assert torch.allclose(walk.scores, tr["scores"][1], atol=1e-6)
+    assert torch.allclose(walk.scaled_scores, tr["scaled_scores"][1], atol=1e-6)
+    assert walk.masked_scores is None
+
+
+def test_causal_walk_masks_keys_after_the_query(inputs):
+    walk = _traced("causal", inputs).walk(2)
+    assert torch.isneginf(walk.masked_scores[3:]).all()
+    assert (walk.weights[3:] == 0).all()
+
+
+def test_trace_labels_default_to_positions_and_can_be_given(inputs):
+    tr = _traced("simplified", inputs)
+    assert tr.labels == ("0", "1", "2", "3", "4", "5")
+    named = attnscope.trace("simplified", inputs, labels=attnscope.BOOK_TOKENS)
+    assert named.walk(1).label == "journey"
+
+
+def test_trace_indexing_by_stage_enum_and_membership(inputs):
+    tr = _traced("causal", inputs)
+    assert torch.equal(tr[attnscope.Stage.WEIGHTS], tr["weights"])
+    assert "masked_scores" in tr and "output" not in tr
+    with pytest.raises(AttnScopeError, match="output"):
+        tr["output"]
+
+
+def test_trace_tensors_do_not_track_gradients(inputs):
+    tr = _traced("self", inputs)
+    assert not any(t.requires_grad for t in tr.stages.values())
+
+
+def test_trace_predicted_shapes_follow_the_rules(inputs):
+    tr = _traced("causal-multihead", torch.stack((inputs, inputs)))
+    assert tr.predicted_shape("queries") == (2, 2, 6, 2)
+    assert tr.predicted_shape("weights") == (2, 2, 6, 6)
+    assert tr.predicted_shape("output") == (2, 6, 4)
+
+
+def test_str_of_a_trace_is_its_text_rendering(inputs):
+    text = str(_traced("self", inputs))
+    assert "scaled_scores" in text and "(6, 6)" in text and "\x1b[" not in text
+
+
+def test_trace_of_v2_records_its_linear_projections(inputs):
+    torch.manual_seed(789)
+    module = SelfAttentionV2(3, 2)
+    tr = module.trace(inputs)
+    assert torch.allclose(tr["queries"], module.W_query(inputs).detach())
