@@ -104,7 +104,9 @@ def test_attend_records_every_stage_by_name_in_pipeline_order(causal):
     q, k, v = torch.randn(3, 2, 5, 4).unbind(0)
     record: dict[str, torch.Tensor] = {}
     out = AF.attend(q, k, v, causal=causal, record=record)
-    names = ["scores", "scaled_scores"] + (["masked_scores"] if causal else []) + ["weights", "context"]
+    names = (
+        ["scores", "scaled_scores"] + (["masked_scores"] if causal else []) + ["weights", "context"]
+    )
     assert list(record) == names
     assert torch.equal(record["context"], out)
     assert torch.allclose(record["scaled_scores"], record["scores"] / 2.0)

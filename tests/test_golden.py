@@ -154,7 +154,9 @@ def book_ch03():
     try:
         from llms_from_scratch import ch03
     except ImportError:
-        pytest.skip("llms_from_scratch (the book's code) is not installed: pip install llms-from-scratch")
+        pytest.skip(
+            "llms_from_scratch (the book's code) is not installed: pip install llms-from-scratch"
+        )
     return ch03
 
 
@@ -162,7 +164,9 @@ def book_ch03():
     ("ours_name", "book_name", "seed"),
     [("SelfAttentionV1", "SelfAttention_v1", 123), ("SelfAttentionV2", "SelfAttention_v2", 789)],
 )
-def test_our_v1_v2_equal_the_books_with_the_same_seed(book_ch03, inputs, ours_name, book_name, seed):
+def test_our_v1_v2_equal_the_books_with_the_same_seed(
+    book_ch03, inputs, ours_name, book_name, seed
+):
     """Unbatched only: the book's V1 and V2 use keys.T, which needs a 2-D input."""
     torch.manual_seed(seed)
     ours = getattr(attnscope, ours_name)(3, 2)

@@ -200,3 +200,32 @@ def test_check_report_shape_mismatch_has_no_difference():
     )
     page = check_html(report)
     assert "The shapes differ" in page and "difference (yours" not in page
+
+
+class NoScale(torch.nn.Module):
+    """The book's V1 with one bug: the scores are never divided by sqrt(d_k)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.W_query = torch.nn.Parameter(torch.rand(d_in, d_out))
+        self.W_key = torch.nn.Parameter(torch.rand(d_in, d_out))
+        self.W_value = torch.nn.Parameter(torch.rand(d_in, d_out))
+
+    def forward(self, x):
+        queries, keys, values = x @ self.W_query, x @ self.W_key, x @ self.W_value
+        scores = queries @ keys.transpose(-2, -1)
+        return torch.softmax(scores, dim=-1) @ values  # missing: / keys.shape[-1] ** 0.5
+
+
+def test_report_of_the_real_checker():
+    from attnscope.checking import check
+
+    report = check(NoScale)
+    assert report.first_failure.stage is Stage.SCALED_SCORES
+    page = report.to_html()
+    assert_self_contained(page)
+    failure = page.split('id="first-failure">')[1].split("</section>")[0]
+    assert "First failure: <code>scaled_scores</code>" in failure
+    assert "missing_scale" in failure and "test_html.py:" in failure
+    assert failure.count('<table class="matrix">') == 3  # reference, yours, difference
+    assert 'class="heatmap"' in failure

@@ -59,7 +59,10 @@ def test_csv_of_numbers_loads_without_labels(tmp_path):
 
 def test_csv_non_numeric_first_column_is_the_token_labels(tmp_path):
     path = tmp_path / "x.csv"
-    rows = [f"{w},{','.join(str(v) for v in r)}" for w, r in zip(attnscope.BOOK_TOKENS, BOOK.tolist())]
+    rows = [
+        f"{w},{','.join(str(v) for v in r)}"
+        for w, r in zip(attnscope.BOOK_TOKENS, BOOK.tolist(), strict=True)
+    ]
     path.write_text("\n".join(rows))
     emb = load_embeddings(path)
     assert emb.labels == attnscope.BOOK_TOKENS

@@ -9,7 +9,9 @@ before anything is computed, so a long run never ends in "file exists".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -394,11 +396,15 @@ def _parse_weights(text: str | None) -> dict[str, str] | None:
 
 
 def _cmd_check(args) -> int:
-    from .render import write_output
-
     html = _claim_output(args.html, args.force) if args.html else None
     init = _parse_init(args.init)
     weights = _parse_weights(args.weights)
+    check_html = None
+    if html is not None:
+        try:
+            from .render.html import check_html
+        except ImportError as exc:
+            raise AttnScopeError(f"--html: HTML reports are not available here ({exc})") from None
     try:
         from .checking import check
     except ImportError as exc:
@@ -412,9 +418,9 @@ def _cmd_check(args) -> int:
         weights=weights,
     )
     _emit(report.to_json() if args.json else report.to_text())
-    if html is not None:
-        # The report renders to a string; writing it here honours --force.
-        write_output(html, report.to_html(), overwrite=args.force)
+    if check_html is not None:
+        # check_html rather than report.to_html(path): only it takes overwrite (--force).
+        check_html(report, str(html), overwrite=args.force)
         print(f"wrote {html}", file=sys.stderr)
     return 0 if report.ok else 1
 
@@ -436,10 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         # `attnscope demo | head`: the reader left; say nothing more.
-        try:
-            sys.stdout = open("/dev/null", "w")  # noqa: SIM115  (keeps interpreter exit quiet)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (keeps interpreter exit quiet)
         return 1
     except OSError as exc:  # a full disk or a folder without write permission
         print(f"attnscope: error: {exc}", file=sys.stderr)

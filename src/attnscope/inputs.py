@@ -74,7 +74,8 @@ def load_embeddings(path: str | Path, *, ranks: tuple[int, ...] = (2, 3)) -> Emb
         data, labels = _read_csv(path)
     else:
         raise AttnScopeError(
-            f"{path}: expected a file ending in {', '.join(SUFFIXES)}, got {path.suffix or 'none'!r}"
+            f"{path}: expected a file ending in {', '.join(SUFFIXES)}, "
+            f"got {path.suffix or 'none'!r}"
         )
     tensor = _validate(data, path, ranks)
     if labels is not None:

@@ -116,6 +116,7 @@ class Mutation:
     merge: Callable[[T], T] | None = None
     skip_out: bool = False
     replace: dict[str, T] = field(default_factory=dict)  # stage name -> the user's tensor
+    user_dim: int | None = None  # softmax over this axis of the user's own layout
     facts: dict = field(default_factory=dict)
 
 
@@ -135,6 +136,7 @@ def pipeline(
     w: Weights | None,
     mut: Mutation = NONE,
     proj: tuple[T, T, T] | None = None,
+    batched: bool = True,
 ) -> dict[str, T]:
     """Every stage of the reference (or of one mutation) for ``x``.
 
@@ -142,6 +144,7 @@ def pipeline(
         x: ``(B, T, d_in)`` float64.
         spec: kind and sizes; ``w``: the bound weights (``None`` for simplified).
         proj: :func:`project` of ``x``, when already computed.
+        batched: whether the user's code saw a batch axis (for ``Mutation.user_dim``).
 
     Returns:
         stage name -> tensor. Per-head stages are ``(B, H, T, *)`` for multi-head kinds and
@@ -174,7 +177,14 @@ def pipeline(
             else scaled.masked_fill(causal_hide(scaled.shape[-1]), -torch.inf)
         )
         logits = masked = sub.get("masked_scores", masked)
-    weights = mut.softmax(logits) if mut.softmax else torch.softmax(logits, dim=-1)
+    if mut.user_dim is not None:
+        # the user's axis numbers count the user's layout: (B,) (H,) T_q, T_k
+        layout = ([0] if batched else []) + ([1] if spec.multihead else []) + [2, 3]
+        if not -len(layout) <= mut.user_dim < len(layout):
+            raise ValueError("that axis does not exist in this layout")
+        weights = torch.softmax(logits, dim=layout[mut.user_dim])
+    else:
+        weights = mut.softmax(logits) if mut.softmax else torch.softmax(logits, dim=-1)
     if mut.after_softmax is not None:
         weights = mut.after_softmax(weights)
     weights = sub.get("weights", weights)
@@ -405,7 +415,18 @@ def mutations(spec: Spec, tokens: int, batch: int, *, combined_qkv: bool = False
                     ),
                 )
             )
-    if not spec.simplified:
+    if spec.simplified:  # the book's simplified attention has no scaling at all
+        for value, text in _named_scales(spec, tokens):
+            ms.append(
+                Mutation(
+                    "wrong_scale",
+                    S.SCALED_SCORES,
+                    f"scaled by {text} (simplified attention is not scaled)",
+                    scale=value,
+                    facts={"c": value, "name": text},
+                )
+            )
+    else:
         ms.append(
             Mutation("missing_scale", S.SCALED_SCORES, "no scaling", scale=1.0, facts={"c": 1.0})
         )
@@ -458,12 +479,10 @@ def mutations(spec: Spec, tokens: int, batch: int, *, combined_qkv: bool = False
                     facts={"fill": value, "name": text},
                 )
             )
-    dims = [(-2, "the queries (dim=-2)")]
-    if batch > 1:
-        dims.append((0, "the batch (dim=0)"))
-    if spec.multihead and spec.num_heads > 1:
-        dims.append((1, "the heads (dim=1)"))
-    for dim, text in dims:
+    axes = [(-2, "the queries (dim=-2)", None), (0, "dim=0", 0), (1, "dim=1", 1)]
+    if spec.multihead:
+        axes.append((2, "dim=2", 2))
+    for dim, text, user_dim in axes:
         for fill in (None, -1e9) if spec.causal else (None,):
             ms.append(
                 Mutation(
@@ -472,6 +491,7 @@ def mutations(spec: Spec, tokens: int, batch: int, *, combined_qkv: bool = False
                     f"softmax over {text} instead of the keys (dim=-1)",
                     mask=None if fill is None else _finite_mask(fill),
                     softmax=lambda s, d=dim: torch.softmax(s, dim=d),
+                    user_dim=user_dim,
                     facts={"dim": dim},
                 )
             )

@@ -63,7 +63,7 @@ def _require_matplotlib() -> None:
         from matplotlib.backends import backend_agg  # noqa: F401
     except ImportError as exc:
         raise AttnScopeError(
-            "matplotlib: expected it installed to draw figures, got none; "
+            "matplotlib: figures need it and it is not installed; "
             "install it with: pip install attnscope[plot]"
         ) from exc
 
@@ -218,7 +218,6 @@ def _indices(n: int) -> list[str]:
 
 
 def _draw_panel(
-    fig: Figure,
     ax: Any,
     panel: Panel,
     norm: Any,
@@ -338,7 +337,6 @@ def matrix_figure(
         image = None
         for panel, ax in members:
             image = _draw_panel(
-                fig,
                 ax,
                 panel,
                 norm,
@@ -537,17 +535,17 @@ class _Box:
     def cy(self) -> float:
         return self.y - self.h / 2
 
-    def left(self, dy: float = 0.0) -> tuple[float, float]:
-        return self.x, self.cy + dy
+    def left(self) -> tuple[float, float]:
+        return self.x, self.cy
 
-    def right(self, dy: float = 0.0) -> tuple[float, float]:
-        return self.x + self.w, self.cy + dy
+    def right(self) -> tuple[float, float]:
+        return self.x + self.w, self.cy
 
     def top(self) -> tuple[float, float]:
         return self.cx, self.y
 
-    def bottom(self, dx: float = 0.0) -> tuple[float, float]:
-        return self.cx + dx, self.y - self.h
+    def bottom(self) -> tuple[float, float]:
+        return self.cx, self.y - self.h
 
 
 def _value_lines(values: torch.Tensor | None) -> list[str]:
@@ -659,7 +657,6 @@ def _layout(fig: Figure, ax: Any, boxes: list[_Box]) -> tuple[float, float]:
     """Size every box from its text, then place boxes on their (col, row) grid; inches."""
     mono = {"family": "monospace", "parse_math": False, "va": "top"}
     plain = {"parse_math": False, "va": "top"}
-    sizes: dict[str, list[tuple[float, float]]] = {}
     for b in boxes:
         block = "\n".join(_value_lines(b.values))
         shape = f"shape {b.shape}" + (f"  ({b.note})" if b.note and block else "")
@@ -671,9 +668,11 @@ def _layout(fig: Figure, ax: Any, boxes: list[_Box]) -> tuple[float, float]:
         if block:
             lines.append(ax.text(0, 0, block, fontsize=_VALUE_PT, linespacing=1.25, **mono))
         b.texts = tuple(lines)
-        sizes[b.key] = _measure(fig, lines)
+    measured = iter(_measure(fig, [t for b in boxes for t in b.texts]))
+    sizes = {b.key: [next(measured) for _ in b.texts] for b in boxes}
+    for b in boxes:
         b.w = max(w for w, _ in sizes[b.key]) + 2 * _PAD
-        b.h = sum(h for _, h in sizes[b.key]) + _LINE_GAP * (len(lines) - 1) + 2 * _PAD
+        b.h = sum(h for _, h in sizes[b.key]) + _LINE_GAP * (len(b.texts) - 1) + 2 * _PAD
     n_cols = max(b.col for b in boxes) + 1
     n_rows = max(b.row for b in boxes) + 1
     col_w = [max((b.w for b in boxes if b.col == c), default=0.0) for c in range(n_cols)]
@@ -773,6 +772,9 @@ def pipeline_figure(
         path: write the picture there; ``.png`` or ``.svg``.
         batch: which sequence of a batched trace to show values of.
         overwrite: replace an existing ``path``.
+
+    Returns:
+        the :class:`matplotlib.figure.Figure`, sized to fit its boxes.
     """
     _require_matplotlib()
     from matplotlib.patches import FancyBboxPatch

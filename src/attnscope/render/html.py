@@ -29,7 +29,19 @@ import torch
 from ..errors import AttnScopeError
 from ..stages import Stage
 from . import write_output
-from .figures import refuse_existing, trace_name, value_range
+from .figures import (
+    MATRIX_STAGES,
+    Panel,
+    _require_matplotlib,
+    figure_bytes,
+    heatmap,
+    matrix_figure,
+    pipeline_figure,
+    refuse_existing,
+    stage_panels,
+    trace_name,
+    value_range,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -178,8 +190,6 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 def _figure_img(fig: Figure, alt: str, css_class: str = "") -> str:
     """A figure as an ``<img>`` with a base64 PNG, sized to its natural width."""
-    from .figures import figure_bytes
-
     data = figure_bytes(fig, "png", dpi=_DPI)
     # Shown at 88 CSS pixels per figure inch (a CSS inch is 96): two 6-token heatmaps fit
     # side by side in the report's 1200 pixels.
@@ -190,8 +200,6 @@ def _figure_img(fig: Figure, alt: str, css_class: str = "") -> str:
 
 
 def _figures_available() -> bool:
-    from .figures import _require_matplotlib
-
     try:
         _require_matplotlib()
     except AttnScopeError:
@@ -254,17 +262,15 @@ def _checks_table(checks: Iterable[tuple[str, bool, str]]) -> str:
 
 
 def _heatmaps(trace: Trace, figures: bool) -> str:
-    from .figures import MATRIX_STAGES, heatmap, stage_panels
-
     tokens = trace.dims.tokens
     cell = (1, 1) if tokens >= 2 else None
     parts = []
-    if cell is not None:
-        parts.append(
-            '<p class="note">The outlined cell is the second query (row 1) against key 1, '
-            "the score the walk below computes by hand.</p>"
-        )
     if figures:
+        if cell is not None:
+            parts.append(
+                '<p class="note">The outlined cell is the second query (row 1) against key 1, '
+                "the score the walk below computes by hand.</p>"
+            )
         parts.append('<div class="figures">')
         for st in MATRIX_STAGES:
             if st.value in trace:
@@ -406,8 +412,6 @@ def trace_html(
     body += ["<h2>Stages</h2>", _stage_table(trace)]
     figures = _figures_available()
     if figures:
-        from .figures import pipeline_figure
-
         img = _figure_img(pipeline_figure(trace), "the attention pipeline", "pipeline")
         body += [
             "<h2>Pipeline</h2>",
@@ -455,8 +459,6 @@ def _failing_check(report: CheckReport) -> StageCheck | None:
 
 def _side_by_side(check: StageCheck, figures: bool) -> str:
     """Reference, observed and their difference at the failing stage: tables and heatmaps."""
-    from .figures import MATRIX_STAGES, Panel, matrix_figure
-
     ref, obs = _as_matrices(check.reference), _as_matrices(check.observed)
     group = "weights" if check.stage is Stage.WEIGHTS else "values"
     columns = [("reference", ref, group), ("your code", obs, group)]

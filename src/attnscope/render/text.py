@@ -338,13 +338,11 @@ def demo_text(result: DemoResult, color: bool | None = None) -> str:
         "input: ", " ".join(tokens), f"  (query: token {result.token}, {tokens[result.token]!r})"
     )
     part = None
-    number = 0
-    for step in result.steps:
+    for number, step in enumerate(result.steps, start=1):
         if step.part != part:
             part = step.part
             out.line()
             out.line((f"== {_PART_TITLES.get(part, part)} ==", "bold magenta"))
-        number += 1
         out.line()
         _step(out, step, number)
     checks = result.checks
