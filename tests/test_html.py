@@ -133,6 +133,10 @@ def test_without_matplotlib_matrices_are_tables(monkeypatch):
     weights = page.split("<code>weights</code> (rows: queries")[1].split("</table>")[0]
     assert weights.count('class="masked"') == 6
     assert_self_contained(page)
+    # long sequences: no 40-column tables of numbers
+    long = trace_html(a.trace("simplified", torch.rand(40, 2)))
+    assert "too many for tables" in long and "too many to list" in long
+    assert '<table class="matrix">' in long  # the query and context vectors still are
 
 
 def test_single_token_trace_has_no_walk():

@@ -220,6 +220,12 @@ def _claim_output(path: str, force: bool, inputs: Sequence[str | None] = ()) -> 
     return out
 
 
+def _claim(args, path: str) -> Path:
+    """:func:`_claim_output` for a command's output, guarding the files it reads."""
+    inputs = [getattr(args, "input", None), getattr(args, "labels_file", None)]
+    return _claim_output(path, args.force, inputs)
+
+
 def _load(args):
     """``(x, labels, from_book)`` from --input and --labels/--labels-file."""
     from .examples import BOOK_TOKENS, book_embeddings
@@ -259,7 +265,7 @@ def _cmd_demo(args) -> int:
     from .demo import run_demo
     from .render.text import demo_text
 
-    html = _claim_output(args.html, args.force, [args.input]) if args.html else None
+    html = _claim(args, args.html) if args.html else None
     trace_html = _html_writer() if html else None
     x, labels, from_book = _load(args)
     if not from_book and x.dim() != 2:
@@ -288,7 +294,7 @@ def _cmd_trace(args) -> int:
     from .demo import default_token, make_trace, trace_checks
     from .render.text import trace_text
 
-    html = _claim_output(args.html, args.force, [args.input]) if args.html else None
+    html = _claim(args, args.html) if args.html else None
     trace_html = _html_writer() if html else None
     x, labels, _ = _load(args)
     tr = make_trace(args.kind, x, labels=labels, seed=args.seed, d_out=args.d_out, heads=args.heads)
@@ -307,7 +313,7 @@ def _cmd_plot(args) -> int:
     from .demo import make_trace
     from .stages import stages_for_kind
 
-    out = _claim_output(args.output, args.force, [args.input])
+    out = _claim(args, args.output)
     if out.suffix.lower() not in _FIGURE_SUFFIXES:
         raise AttnScopeError(
             f"{out}: expected a file ending in {', '.join(_FIGURE_SUFFIXES)}, got "
@@ -396,7 +402,7 @@ def _parse_weights(text: str | None) -> dict[str, str] | None:
 
 
 def _cmd_check(args) -> int:
-    html = _claim_output(args.html, args.force) if args.html else None
+    html = _claim(args, args.html) if args.html else None
     init = _parse_init(args.init)
     weights = _parse_weights(args.weights)
     check_html = None

@@ -253,6 +253,7 @@ def default_token(tokens: int, token: int | None) -> int:
 
 
 def _simplified(x: torch.Tensor, labels: tuple[str, ...], t: int, book: bool):
+    """The weightless walk on ``x`` ``(T, d_in)`` for query ``t``: ``(steps, trace)``."""
     tr = trace("simplified", x, labels=labels)
     name = labels[t]
     query = x[t]
@@ -373,6 +374,7 @@ def _simplified(x: torch.Tensor, labels: tuple[str, ...], t: int, book: bool):
 
 
 def _self(x, labels, t, book, seed):
+    """SelfAttentionV1 (and V2) on ``x`` ``(T, d_in)``, d_out=2 as in the book."""
     d_in, d_out = x.shape[-1], 2
     with _seeded(BOOK_SEEDS["self"] if seed is None else seed):
         v1 = SelfAttentionV1(d_in, d_out)
@@ -564,6 +566,7 @@ def _parameters_step(module: nn.Module, before: dict, x, labels, t) -> Step:
 
 
 def _causal(x, labels, t, book, seed):
+    """CausalAttention on ``x`` ``(T, d_in)``, context_length=T, then dropout on its own."""
     d_in, d_out, tokens = x.shape[-1], 2, x.shape[-2]
     s = BOOK_SEEDS["causal"] if seed is None else seed
     with _seeded(s):
@@ -670,6 +673,7 @@ def _causal(x, labels, t, book, seed):
 
 
 def _multihead(x, labels, t, book, seed):
+    """The book's causal MultiHeadAttention on ``x`` ``(T, d_in)``: d_out=2, 2 heads."""
     d_in, d_out, heads, tokens = x.shape[-1], 2, 2, x.shape[-2]
     s = BOOK_SEEDS["multihead"] if seed is None else seed
     with _seeded(s):

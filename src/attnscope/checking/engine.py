@@ -534,7 +534,12 @@ class _ModuleCheck(_Base):
                 continue
             refs[stage] = t
             found[stage] = find_stage(
-                ops, stage, t, batched=call.batched, spec_scale=self.spec.scale
+                ops,
+                stage,
+                t,
+                batched=call.batched,
+                spec_scale=self.spec.scale,
+                causal=self.spec.causal,
             )
         return found, refs
 
@@ -599,8 +604,7 @@ class _ModuleCheck(_Base):
     def _diagnose(self) -> CheckReport:
         call = self.calls[0]
         found, refs = self._observe(call)
-        ref_outs = [pipeline(c.x, self.spec, self.w)["output"] for c in self.calls]
-        hit = self._explain(ref_outs)
+        hit = self._explain_quickly()
         if hit is not None:
             mut, stages = hit
             user = stages.get(mut.stage.value)
@@ -611,15 +615,44 @@ class _ModuleCheck(_Base):
         failure, user0 = self._fallback(found, refs, call)
         return self._report(failure, found, refs, self._dims(call), user0)
 
-    def _explain(self, ref_outs) -> tuple[Mutation, dict] | None:
-        tokens = self.calls[0].x.shape[1]
-        batch = max(c.x.shape[0] for c in self.calls)
+    def _explain_quickly(self) -> tuple[Mutation, dict] | None:
+        """Search the catalogue on a short probe, then confirm on the full one.
+
+        The mistakes do not depend on the length; a long probe (a GPT-2 layer at 128
+        tokens) would make every one of ~100 mutations cost as much as the layer itself.
+        """
+        full = self.calls
+        if full[0].x.shape[1] <= 16 or self.module is None:
+            return self._explain(full)
+        notes, fixed = list(self.notes), self.fixed_tokens
+        self.fixed_tokens = None
+        try:
+            x = torch.randn(_BATCH, self._tokens(self.binding), self.spec.d_in, generator=self.gen)
+            short = self._probe(x, self.causal_hint)
+        except AttnScopeError:
+            short = None
+        finally:
+            self.notes, self.fixed_tokens = notes, fixed
+        if short:
+            hit = self._explain(short)
+            if hit is not None:
+                mut = hit[0]
+                projs = [project(c.x, self.spec, self.w) for c in full]
+                confirmed = [self._mutant(c, p, mut) for c, p in zip(full, projs, strict=True)]
+                if all(o is not None for o in confirmed):
+                    return mut, confirmed[0]
+        return self._explain(full)
+
+    def _explain(self, calls: list[_Call]) -> tuple[Mutation, dict] | None:
+        ref_outs = [pipeline(c.x, self.spec, self.w)["output"] for c in calls]
+        tokens = calls[0].x.shape[1]
+        batch = max(c.x.shape[0] for c in calls)
         combined = self.w is not None and "[q|k|v]" in self.w.source
         candidates = mutations(self.spec, tokens, batch, combined_qkv=combined)
-        projs = [project(c.x, self.spec, self.w) for c in self.calls]
+        projs = [project(c.x, self.spec, self.w) for c in calls]
         for mut in candidates:
             outs = []
-            for c, p in zip(self.calls, projs, strict=True):
+            for c, p in zip(calls, projs, strict=True):
                 out = self._mutant(c, p, mut)
                 if out is None:
                     break
@@ -629,7 +662,7 @@ class _ModuleCheck(_Base):
                     return mut, outs[0]
         template = next((m for m in candidates if m.code == "missing_scale"), None)
         if template is not None:
-            return self._fit_scale(template)
+            return self._fit_scale(template, calls)
         return None
 
     def _mutant(self, call: _Call, proj, mut: Mutation) -> dict | None:
@@ -648,14 +681,14 @@ class _ModuleCheck(_Base):
                 return stages
         return None
 
-    def _fit_scale(self, template: Mutation) -> tuple[Mutation, dict] | None:
+    def _fit_scale(self, template: Mutation, calls: list[_Call]) -> tuple[Mutation, dict] | None:
         """A scale factor nobody named: search it on a log grid, then refine."""
 
-        projs = [project(call.x, self.spec, self.w) for call in self.calls]
+        projs = [project(call.x, self.spec, self.w) for call in calls]
 
         def err(c: float) -> float:
             total = 0.0
-            for call, p in zip(self.calls, projs, strict=True):
+            for call, p in zip(calls, projs, strict=True):
                 o = pipeline(call.x, self.spec, self.w, with_scale(template, c, ""), p)["output"]
                 d = (o - call.out).abs()
                 if not torch.isfinite(d).all():
@@ -677,13 +710,12 @@ class _ModuleCheck(_Base):
         c = math.sqrt(lo * hi)
         if math.isclose(c, self.spec.scale, rel_tol=1e-3):
             return None
-        tokens = self.calls[0].x.shape[1]
+        tokens = calls[0].x.shape[1]
         mut = with_scale(template, c, describe_scale(c, self.spec, tokens))
         mut.code = "missing_scale" if math.isclose(c, 1.0, rel_tol=1e-3) else "wrong_scale"
-        outs = [pipeline(call.x, self.spec, self.w, mut) for call in self.calls]
+        outs = [pipeline(call.x, self.spec, self.w, mut) for call in calls]
         if all(
-            close(call.out, o["output"], rtol=1e-3)
-            for call, o in zip(self.calls, outs, strict=True)
+            close(call.out, o["output"], rtol=1e-3) for call, o in zip(calls, outs, strict=True)
         ):
             return mut, outs[0]
         return None
@@ -696,9 +728,10 @@ class _ModuleCheck(_Base):
             f = find_stage(
                 ops,
                 mut.stage,
-                t if call.batched else t,
+                t,
                 batched=call.batched,
                 spec_scale=self.spec.scale,
+                causal=self.spec.causal,
             )
             if f is not None and f.location:
                 return f.location
@@ -835,7 +868,7 @@ class _ModuleCheck(_Base):
                 continue
             shape = ref.shape if call.batched else ref.shape[1:]
             for op in call.ops:
-                if op.output.shape != shape:
+                if op.output.shape != shape or op.stale:
                     continue
                 user = op.output.double() if call.batched else op.output.double().unsqueeze(0)
                 if close(user, ref):

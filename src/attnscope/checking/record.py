@@ -31,6 +31,13 @@ class Op:
     output: torch.Tensor
     location: str | None
     index: int
+    version: int = -1  # the tensor's _version when seen; -1 for tensors rebuilt by attnscope
+
+    @property
+    def stale(self) -> bool:
+        """Changed in place since it was seen (its value then is gone; the new one is
+        recorded again where it is used next)."""
+        return self.version >= 0 and self.output._version != self.version
 
 
 @dataclass
@@ -86,12 +93,18 @@ class Recorder(TorchFunctionMode):
                 if key not in self._seen:
                     self._seen.add(key)
                     self.ops.append(
-                        Op(f"input of {name}", tensor.detach().clone(), location, len(self.ops))
+                        Op(
+                            f"input of {name}",
+                            tensor.detach(),
+                            location,
+                            len(self.ops),
+                            tensor._version,
+                        )
                     )
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dim():
-                # clone: later in-place ops (masked_fill_) must not rewrite what was seen here
-                self.ops.append(Op(name, tensor.detach().clone(), location, len(self.ops)))
+                # no copy: a later in-place op (masked_fill_) marks this entry stale instead
+                self.ops.append(Op(name, tensor.detach(), location, len(self.ops), tensor._version))
                 self._seen.add((id(tensor), tensor._version))
         return out
 

@@ -326,7 +326,8 @@ def _shift_keys(q: T, k: T, shift: int) -> T:
 
 
 def _l2(q: T, k: T) -> T:
-    return ((q.unsqueeze(-2) - k.unsqueeze(-3)) ** 2).sum(-1)
+    """Squared distances ``|q_i - k_j|^2`` without a (..., T, T, d) intermediate."""
+    return (q * q).sum(-1, keepdim=True) + (k * k).sum(-1).unsqueeze(-2) - 2 * q @ k.mT
 
 
 def mutations(spec: Spec, tokens: int, batch: int, *, combined_qkv: bool = False) -> list[Mutation]:

@@ -47,12 +47,15 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from ..checking.report import CheckReport, StageCheck
-    from ..trace import Trace
+    from ..trace import QueryWalk, Trace
 
 __all__ = ["trace_html", "check_html"]
 
 #: Matrices up to this size are also written out as coloured tables of numbers.
 TABLE_MAX = 12
+#: Beyond this many tokens, per-key tables (the walk, the no-matplotlib heatmaps) would be
+#: too wide to read, and are left out.
+LIST_MAX = 32
 #: Resolution of embedded figures: sharp on high-density screens.
 _DPI = 144
 
@@ -74,8 +77,8 @@ _CSS = """
 .attnscope table.matrix td,.attnscope table.matrix th{padding:2px 6px;font-size:.85em}
 .attnscope table.matrix td.masked{background:repeating-linear-gradient(45deg,#e4e4e4 0 4px,
  #cfcfcf 4px 6px);color:#444}
-.attnscope .pass{color:#1a7f37;font-weight:600}
-.attnscope .fail{color:#cf222e;font-weight:600}
+.attnscope .pass{color:#1a7f37;font-weight:600;white-space:nowrap}
+.attnscope .fail{color:#cf222e;font-weight:600;white-space:nowrap}
 .attnscope tr.failing td{background:#ffebe9}
 .attnscope .verdict{font-size:1.1em;padding:.5em .8em;border-radius:6px;margin:.6em 0}
 .attnscope .verdict.ok{background:#dafbe1;border:1px solid #4ac26b}
@@ -86,9 +89,8 @@ _CSS = """
 .attnscope .message{font-size:1.05em;margin:.4em 0}
 .attnscope .side{display:flex;flex-wrap:wrap;gap:18px;align-items:flex-start}
 .attnscope .side>div{min-width:0}
-.attnscope figure{margin:.6em 0 1.2em}
+.attnscope figure{margin:.6em 0 1.2em;max-width:100%}
 .attnscope .figures{display:flex;flex-wrap:wrap;gap:8px 28px;align-items:flex-start}
-.attnscope .figures figure{max-width:100%}
 .attnscope figure img{max-width:100%;height:auto;display:block}
 .attnscope figcaption{color:#57606a;font-size:.9em;margin-top:.2em}
 .attnscope .note{color:#57606a;font-style:italic}
@@ -188,15 +190,17 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def _figure_img(fig: Figure, alt: str, css_class: str = "") -> str:
-    """A figure as an ``<img>`` with a base64 PNG, sized to its natural width."""
+def _figure(fig: Figure, alt: str, css_class: str, caption: str = "") -> str:
+    """A ``<figure>`` holding ``fig`` as a base64 PNG ``<img>``; ``caption`` is HTML."""
     data = figure_bytes(fig, "png", dpi=_DPI)
     # Shown at 88 CSS pixels per figure inch (a CSS inch is 96): two 6-token heatmaps fit
-    # side by side in the report's 1200 pixels.
+    # side by side in the report's 1200 pixels. The figure gets the image's width so a
+    # long caption wraps under it instead of widening it.
     width = round(_png_size(data)[0] * 88 / _DPI)
     src = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
-    cls = f' class="{css_class}"' if css_class else ""
-    return f'<img{cls} alt="{escape(alt)}" width="{width}" src="{src}">'
+    img = f'<img class="{css_class}" alt="{escape(alt)}" width="{width}" src="{src}">'
+    caption = f"<figcaption>{caption}</figcaption>" if caption else ""
+    return f'<figure style="width:{width}px">{img}{caption}</figure>'
 
 
 def _figures_available() -> bool:
@@ -275,17 +279,20 @@ def _heatmaps(trace: Trace, figures: bool) -> str:
         for st in MATRIX_STAGES:
             if st.value in trace:
                 fig = heatmap(trace, st, highlight=cell)
-                img = _figure_img(fig, f"heatmap of {st.value}", "heatmap")
-                parts.append(
-                    f"<figure>{img}<figcaption><code>{st.value}</code>: rows are queries, "
-                    f"columns are keys; {escape(st.rule)}.</figcaption></figure>"
+                caption = (
+                    f"<code>{st.value}</code>: rows are queries, columns are keys; "
+                    f"{escape(st.rule)}."
                 )
+                parts.append(_figure(fig, f"heatmap of {st.value}", "heatmap", caption))
         parts.append("</div>")
         return "".join(parts)
     parts.append(
         '<p class="note">matplotlib is not installed (pip install attnscope[plot]): '
         "matrices shown as tables.</p>"
     )
+    if trace.dims.tokens > LIST_MAX:
+        parts.append(f'<p class="note">{trace.dims.tokens} tokens: too many for tables.</p>')
+        return "".join(parts)
     for st in MATRIX_STAGES:
         if st.value not in trace:
             continue
@@ -313,12 +320,9 @@ def _rows(vec: torch.Tensor | None, name: str, width: int) -> list[tuple[str, np
     return [(f"{name}, head {h}", row) for h, row in enumerate(rows)]
 
 
-def _walk(trace: Trace) -> str:
-    """The seed's single-query computation for token 1, step by step."""
-    if trace.dims.tokens < 2:
-        return ""
-    w = trace.walk(1)
-    t = trace.dims.tokens
+def _per_key_table(w: QueryWalk, labels: Sequence[str]) -> str:
+    """One query's scores, scaled and masked scores and weights, one column per key."""
+    t = len(labels)
     per_key = [
         *_rows(w.scores, "scores", t),
         *_rows(w.scaled_scores, "scaled_scores", t),
@@ -327,16 +331,26 @@ def _walk(trace: Trace) -> str:
     weights = _rows(w.weights, "weights", t)
     hidden = np.zeros((len(per_key) + len(weights), t), bool)
     if w.masked_scores is not None:  # zero weights of masked keys are drawn as masked
-        hide = torch.isneginf(w.masked_scores).reshape(-1, t).numpy()
-        hidden[len(per_key) :] = hide
+        hidden[len(per_key) :] = torch.isneginf(w.masked_scores).reshape(-1, t).numpy()
     per_key += weights
-    keys_table = _matrix_table(
+    return _matrix_table(
         np.stack([v for _, v in per_key]),
         rows=[n for n, _ in per_key],
-        cols=trace.labels,
+        cols=labels,
         group="plain",
         mask=hidden,
     )
+
+
+def _walk(trace: Trace) -> str:
+    """The seed's single-query computation for token 1, step by step."""
+    if trace.dims.tokens < 2:
+        return ""
+    w = trace.walk(1)
+    t = trace.dims.tokens
+    keys_table = f'<p class="note">{t} keys: too many to list; see the heatmaps.</p>'
+    if t <= LIST_MAX:
+        keys_table = _per_key_table(w, trace.labels)
     width = w.context.shape[-1]
     vectors = [
         *_rows(w.context, "context of this query alone", width),
@@ -412,13 +426,12 @@ def trace_html(
     body += ["<h2>Stages</h2>", _stage_table(trace)]
     figures = _figures_available()
     if figures:
-        img = _figure_img(pipeline_figure(trace), "the attention pipeline", "pipeline")
-        body += [
-            "<h2>Pipeline</h2>",
-            f"<figure>{img}<figcaption>Every box is a real tensor of this trace: its stage "
-            "name, the operation that made it, its shape and (when small) its values."
-            "</figcaption></figure>",
-        ]
+        caption = (
+            "Every box is a real tensor of this trace: its stage name, the operation that "
+            "made it, its shape and (when small) its values."
+        )
+        fig = pipeline_figure(trace)
+        body += ["<h2>Pipeline</h2>", _figure(fig, "the attention pipeline", "pipeline", caption)]
     body += ["<h2>Heatmaps</h2>", _heatmaps(trace, figures), _walk(trace)]
     return _finish(_page("\n".join(body), title, full_page), path, overwrite)
 
@@ -510,7 +523,7 @@ def _side_by_side(check: StageCheck, figures: bool) -> str:
             per_row=3,
         )
         alt = fig.get_suptitle().replace(":", ": heatmaps of", 1)
-        out.append(f"<figure>{_figure_img(fig, alt, 'heatmap')}</figure>")
+        out.append(_figure(fig, alt, "heatmap"))
     return "".join(out)
 
 
