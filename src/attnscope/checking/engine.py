@@ -188,6 +188,7 @@ class _Base:
         refs: dict[Stage, torch.Tensor],
         dims: Dims,
         user_tensor: torch.Tensor | None = None,
+        user_full: torch.Tensor | None = None,
     ) -> CheckReport:
         checks: list[StageCheck] = []
         per_head = self.spec is not None and self.spec.num_heads > 1
@@ -204,13 +205,14 @@ class _Base:
             )
             if failure is not None and stage is failure.stage:
                 observed = user_tensor
+                implied = user_full.shape if user_full is not None else None
                 checks.append(
                     StageCheck(
                         stage,
                         False,
                         failure.message.split(". ")[0],
                         predicted,
-                        tuple(observed.shape) if observed is not None else actual,
+                        tuple(implied) if implied is not None else actual,
                         failure.location,
                         ref0,
                         observed,
@@ -611,7 +613,7 @@ class _ModuleCheck(_Base):
             user0 = user[0] if user is not None and user.dim() >= 2 else user
             where = self._where(mut, stages, call)
             failure = Failure(mut.stage, mut.code, self._message(mut, where), where)
-            return self._report(failure, found, refs, self._dims(call), user0)
+            return self._report(failure, found, refs, self._dims(call), user0, user)
         failure, user0 = self._fallback(found, refs, call)
         return self._report(failure, found, refs, self._dims(call), user0)
 

@@ -54,13 +54,22 @@ class SdpaCall:
     location: str | None
 
 
+def _short(path: str) -> str:
+    """A path relative to the working directory when it lies below it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if rel.startswith("..") else rel
+
+
 def _user_location() -> str | None:
     """``file:line`` of the innermost frame outside torch and attnscope."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         if not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR) or path.startswith("<")):
-            return f"{path}:{frame.f_lineno}"
+            return f"{_short(path)}:{frame.f_lineno}"
         if path.startswith("<") and not path.startswith("<frozen"):
             return f"{path}:{frame.f_lineno}"
         frame = frame.f_back
