@@ -440,6 +440,11 @@ class _ModuleCheck(_Base):
         if binding is None:
             return "simplified", "it has no trainable weights"
         reasons = []
+        if binding.num_heads is None:
+            seen = self._heads_seen(tokens, binding.d_out)
+            if seen is not None:
+                binding.num_heads = seen
+                binding.source += f"; {seen} heads seen in its computation"
         multi = (binding.num_heads or 1) > 1 or isinstance(m, nn.MultiheadAttention)
         if multi:
             reasons.append(f"{binding.num_heads} heads ({binding.source})")
@@ -456,6 +461,23 @@ class _ModuleCheck(_Base):
         if not multi:
             reasons.append("one head")
         return kind, "; ".join(reasons)
+
+    def _heads_seen(self, tokens: int, d_out: int) -> int | None:
+        """Heads from the computation: a fused call's (B, H, T, hd) query, or a
+        (B, T, H, hd) / (B, H, T, hd) view of the projections."""
+        call = self.calls[0]
+        for op in call.sdpa_ops:
+            t = op.output
+            if t.dim() == 4 and t.shape[-2] == tokens and t.shape[1] > 1:
+                return t.shape[1]
+        for op in call.ops:
+            shape = tuple(op.output.shape)[-3:]
+            if len(shape) < 3:
+                continue
+            for h, n, hd in ((shape[1], shape[0], shape[2]), (shape[0], shape[1], shape[2])):
+                if n == tokens and h > 1 and h * hd == d_out and h != tokens:
+                    return h
+        return None
 
     def _static_causal(self) -> str | None:
         m = self.module
