@@ -30,8 +30,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from transformers import GPT2Config
-    from transformers.utils import logging
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+    from transformers.utils import logging
 
     logging.set_verbosity_error()
     torch.manual_seed(0)

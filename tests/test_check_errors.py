@@ -77,7 +77,9 @@ def test_constructor_argument_that_cannot_be_inferred(tmp_path):
                 super().__init__()
         """,
     )
-    with pytest.raises(AttnScopeError, match=r"cannot infer constructor argument 'flux_capacitor'.*--init"):
+    with pytest.raises(
+        AttnScopeError, match=r"cannot infer constructor argument 'flux_capacitor'.*--init"
+    ):
         check(f"{path}:Weird")
 
 

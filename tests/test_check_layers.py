@@ -40,8 +40,13 @@ def test_book_v1_is_checked_unbatched_and_says_so():
 
 
 @pytest.mark.parametrize(
-    "cls", [attnscope.SelfAttentionV1, attnscope.SelfAttentionV2, attnscope.CausalAttention,
-            attnscope.MultiHeadAttention]
+    "cls",
+    [
+        attnscope.SelfAttentionV1,
+        attnscope.SelfAttentionV2,
+        attnscope.CausalAttention,
+        attnscope.MultiHeadAttention,
+    ],
 )
 def test_attnscope_modules_pass_both_batched_and_unbatched(cls):
     report = check(cls)

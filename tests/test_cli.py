@@ -290,6 +290,7 @@ def test_check_prints_the_report_and_exits_0_or_1(capsys, monkeypatch, ok):
         "seed": 5,
         "timeout": 2.5,
         "weights": {"query": "W_q", "key": "W_k"},
+        "tokens": None,
     }
     assert "mine.py:Attn" in out
     assert ("missing_scale" in out) is (not ok)

@@ -255,7 +255,7 @@ def test_cli_plot_bad_stage_suffix_and_highlight(capsys, tmp_path):
     )
     assert_user_error(code, err, "no masked_scores", "--kind causal")
     code, _, err = run_cli(capsys, "plot", "-o", str(tmp_path / "a.jpg"))
-    assert_user_error(code, err, ".png, .svg, .pdf", "'.jpg'")
+    assert_user_error(code, err, ".png, .svg", "'.jpg'")
     code, _, err = run_cli(
         capsys, "plot", "--pipeline", "--stage", "scores", "-o", str(tmp_path / "a.png")
     )
@@ -302,3 +302,17 @@ def test_entry_point_reports_user_errors_without_a_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("attnscope: error: ") and "gone.csv" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_finite_check_accepts_huge_finite_values_and_catches_nan_among_them():
+    """The fast finite check sums first; an overflowing sum must not reject finite input."""
+    from attnscope.errors import check_embeddings
+
+    huge = torch.full((2, 3), 3e38)
+    assert check_embeddings(huge) is huge
+    huge[1, 2] = float("nan")
+    with pytest.raises(AttnScopeError, match="1 NaN or inf"):
+        check_embeddings(huge)
+    opposite = torch.tensor([[float("inf"), -float("inf")]])  # sums to NaN, not inf
+    with pytest.raises(AttnScopeError, match="2 NaN or inf"):
+        check_embeddings(opposite)

@@ -22,7 +22,7 @@ from .errors import AttnScopeError
 __all__ = ["main", "build_parser"]
 
 _STAGES_2D = ("weights", "scores", "scaled_scores", "masked_scores")
-_FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
+_FIGURE_SUFFIXES = (".png", ".svg")
 _WEIGHT_ROLES = ("query", "key", "value", "out")
 
 
@@ -161,9 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--highlight", type=_highlight, metavar="ROW,COL", help="outline one cell, e.g. 1,1"
     )
     plot.add_argument("--pipeline", action="store_true", help="draw the pipeline figure instead")
-    plot.add_argument(
-        "-o", "--output", required=True, metavar="FILE", help="FILE.png, .svg or .pdf"
-    )
+    plot.add_argument("-o", "--output", required=True, metavar="FILE", help="FILE.png or FILE.svg")
     _add_force(plot)
     plot.set_defaults(func=_cmd_plot)
 
@@ -190,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         metavar="query=NAME,key=NAME,value=NAME,out=NAME",
         help="which attributes hold the projection weights, when the names are unusual",
+    )
+    check.add_argument(
+        "--tokens",
+        type=int,
+        metavar="N",
+        help="probe length (default: a small length unlike every other size)",
     )
     check.add_argument("--html", metavar="FILE", help="also write an HTML report")
     _add_force(check)
@@ -415,14 +419,19 @@ def _cmd_check(args) -> int:
         from .checking import check
     except ImportError as exc:
         raise AttnScopeError(f"check: the checker is not available here ({exc})") from None
-    report = check(
-        args.target,
-        kind=args.kind,
-        init=init,
-        seed=args.seed,
-        timeout=args.timeout,
-        weights=weights,
-    )
+    from rich.console import Console
+
+    # progress on a terminal only; piped output and --json stay clean
+    with Console(stderr=True).status(f"checking {args.target} ..."):
+        report = check(
+            args.target,
+            kind=args.kind,
+            init=init,
+            seed=args.seed,
+            timeout=args.timeout,
+            weights=weights,
+            tokens=args.tokens,
+        )
     _emit(report.to_json() if args.json else report.to_text())
     if check_html is not None:
         # check_html rather than report.to_html(path): only it takes overwrite (--force).

@@ -71,12 +71,24 @@ def check_embeddings(
             f"{name}: expected at most context_length={max_tokens} tokens, "
             f"got {x.shape[-2]} ({describe(x)})"
         )
-    if finite and not torch.isfinite(x).all():
+    if finite and not _all_finite(x):
         bad = (~torch.isfinite(x)).sum().item()
         raise AttnScopeError(
             f"{name}: expected finite values, got {bad} NaN or inf entries in {describe(x)}"
         )
     return x
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry is finite, at the cost of one sum in the usual case.
+
+    Any NaN or inf entry makes the sum NaN or inf, so a finite sum proves them all finite;
+    a non-finite sum (possibly just overflow of large finite values) is checked entry by
+    entry. ``isfinite(x).all()`` alone costs about 5% of a long multi-head forward pass.
+    """
+    if torch.isfinite(x.detach().sum()):
+        return True
+    return bool(torch.isfinite(x).all())
 
 
 def check_token_index(index: object, tokens: int, *, name: str = "query token") -> int:

@@ -158,11 +158,12 @@ class Trace:
 
         return pipeline_figure(self, path=path, **kwargs)
 
-    def to_html(self, path: str | None = None) -> str:
-        """A self-contained HTML report of this trace; written to ``path`` when given."""
+    def to_html(self, path: str | None = None, *, overwrite: bool = False) -> str:
+        """A self-contained HTML report of this trace; written to ``path`` (never over a
+        file unless ``overwrite``) when given."""
         from .render.html import trace_html
 
-        return trace_html(self, path=path)
+        return trace_html(self, path=path, overwrite=overwrite)
 
     def _repr_html_(self) -> str:
         return self.to_html()

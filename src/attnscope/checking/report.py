@@ -87,11 +87,12 @@ class CheckReport:
 
         return check_text(self, color=color)
 
-    def to_html(self, path: str | None = None) -> str:
-        """A self-contained HTML report; written to ``path`` when given."""
+    def to_html(self, path: str | None = None, *, overwrite: bool = False) -> str:
+        """A self-contained HTML report; written to ``path`` (never over a file unless
+        ``overwrite``) when given."""
         from ..render.html import check_html
 
-        return check_html(self, path=path)
+        return check_html(self, path=path, overwrite=overwrite)
 
     def _repr_html_(self) -> str:
         return self.to_html()
