@@ -665,6 +665,8 @@ class _ModuleCheck(_Base):
                 confirmed = [self._mutant(c, p, mut) for c, p in zip(full, projs, strict=True)]
                 if all(o is not None for o in confirmed):
                     return mut, confirmed[0]
+            else:
+                return None  # the catalogue does not depend on the length: no need to rerun
         return self._explain(full)
 
     def _explain(self, calls: list[_Call]) -> tuple[Mutation, dict] | None:
