@@ -1,33 +1,69 @@
-"""Regenerate the pictures in docs/ from the API: ``python docs/make_images.py``.
+"""Regenerate the pictures and reports in docs/ with the commands the README documents.
 
-heatmap.png    the book's SelfAttentionV1 weights (seed 123), the seed's cell (1, 1) outlined
-pipeline.png   the pipeline diagram of the same trace, with its real shapes and values
-trace-report.html  the self-contained HTML report of that trace
+    python docs/make_images.py
+
+heatmap.png               attnscope plot --kind self --seed 123 --highlight 1,1
+heatmap-causal-heads.png  attnscope plot --kind causal-multihead --d-out 4 --heads 2
+                          --stage masked_scores
+pipeline.png              attnscope plot --pipeline
+trace-report.html         attnscope trace --html
+check-report.html         attnscope check examples/gallery/buggy/mha_scale_by_d_out.py:...
+                          --html   (check-report.png is a headless-Chromium screenshot of it)
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import torch
-
-import attnscope
+from attnscope.cli import main
 
 HERE = Path(__file__).resolve().parent
+GALLERY = HERE.parent / "examples" / "gallery"
 
 
-def main() -> None:
-    torch.manual_seed(123)  # the book's seed: its printed numbers
-    module = attnscope.SelfAttentionV1(d_in=3, d_out=2)
-    trace = attnscope.trace(module, attnscope.book_embeddings(), labels=attnscope.BOOK_TOKENS)
-    trace.plot("weights", HERE / "heatmap.png", highlight=(1, 1), overwrite=True)
-    trace.pipeline_figure(HERE / "pipeline.png", overwrite=True)
-    from attnscope.render.html import trace_html
-
-    trace_html(trace, HERE / "trace-report.html", overwrite=True)
-    for name in ("heatmap.png", "pipeline.png", "trace-report.html"):
-        print(HERE / name)
+def run(*argv: str) -> int:
+    code = main(list(argv))
+    print(f"attnscope {' '.join(argv)}  -> exit {code}")
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    os.chdir(HERE.parent)  # paths in the check report are shown relative to the repo
+    run(
+        "plot",
+        "--kind",
+        "self",
+        "--seed",
+        "123",
+        "--highlight",
+        "1,1",
+        "-o",
+        "docs/heatmap.png",
+        "--force",
+    )
+    run(
+        "plot",
+        "--kind",
+        "causal-multihead",
+        "--seed",
+        "123",
+        "--d-out",
+        "4",
+        "--heads",
+        "2",
+        "--stage",
+        "masked_scores",
+        "-o",
+        "docs/heatmap-causal-heads.png",
+        "--force",
+    )
+    run("plot", "--pipeline", "-o", "docs/pipeline.png", "--force")
+    run("trace", "--html", "docs/trace-report.html", "--force")
+    run(
+        "check",
+        "examples/gallery/buggy/mha_scale_by_d_out.py:MultiHeadAttention",
+        "--html",
+        "docs/check-report.html",
+        "--force",
+    )
