@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import AttnScopeError
+from .render import claim_output
 
 __all__ = ["main", "build_parser"]
 
@@ -212,16 +213,7 @@ def _claim_output(path: str, force: bool, inputs: Sequence[str | None] = ()) -> 
             raise AttnScopeError(
                 f"{out}: expected an output file, got the input file itself; choose another name"
             )
-    if out.is_dir():
-        raise AttnScopeError(f"{out}: expected a file name, got a folder")
-    if out.exists() and not force:
-        raise AttnScopeError(
-            f"{out}: expected a new file, got an existing one; choose another name or pass "
-            "--force to replace it"
-        )
-    if not out.parent.is_dir():
-        raise AttnScopeError(f"{out}: expected an existing folder {out.parent}, got none")
-    return out
+    return claim_output(out, overwrite=force)
 
 
 def _claim(args, path: str) -> Path:

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import AttnScopeError, check_token_index, describe
 from ..stages import Stage
-from . import write_output
+from . import claim_output, write_output
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -99,13 +99,9 @@ def figure_bytes(fig: Figure, fmt: str = "png", *, dpi: int = DPI) -> bytes:
 
 
 def refuse_existing(path: str | Path | None, overwrite: bool) -> None:
-    """Fail before drawing when ``path`` exists and may not be replaced.
-
-    :func:`write_output` makes the same check when writing; asking it with nothing to
-    write gives its message without spending a render first.
-    """
-    if path is not None and not overwrite and Path(path).exists():
-        write_output(path, b"", overwrite=False)  # raises: the file exists
+    """Fail before drawing when ``path`` may not be written (see :func:`claim_output`)."""
+    if path is not None:
+        claim_output(path, overwrite=overwrite)
 
 
 def _save(fig: Figure, path: str | Path | None, overwrite: bool) -> None:
