@@ -89,13 +89,19 @@ def check_agree(impls: dict[str, Callable], x: torch.Tensor) -> None:
 def run(
     impls: dict[str, Callable], x: torch.Tensor, repeats: int, warmup: int
 ) -> dict[str, list[float]]:
+    from rich.console import Console
+    from rich.progress import track
+
     times: dict[str, list[float]] = {name: [] for name in impls}
     names = list(impls)
     with torch.no_grad():
         for _ in range(warmup):
             for name in names:
                 impls[name](x)
-        for r in range(repeats):
+        # progress on stderr (a terminal only): the tables on stdout stay clean
+        for r in track(
+            range(repeats), description="repeats", transient=True, console=Console(stderr=True)
+        ):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 gc.collect()  # free the previous result before the clock starts
