@@ -1,0 +1,595 @@
+"""Judge recorded calls against the reference: correct, or the first stage that goes wrong.
+
+Given the target's calls (input, output, recorded ops) and the readings of its weights:
+
+1. If one reading of the weights reproduces the outputs, the implementation is correct,
+   whatever its style; each stage is reported where it was seen. A probe at large
+   magnitude then looks for a softmax that overflows.
+2. Otherwise the reference is re-run with each known mistake (:mod:`.reference`); the
+   earliest-stage mistake that reproduces the output is the diagnosis.
+3. Where none does, the first stage whose own recorded tensor, put in place of the
+   reference, reproduces the output is named, with the code its error suggests; failing
+   that, the first stage nowhere among the recorded tensors, with ``other``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..stages import Dims, Stage, stages_for_kind
+from .compare import Found, close, find_stage
+from .mistakes import MISTAKES
+from .record import Op, Recorder
+from .reference import (
+    Mutation,
+    Spec,
+    Weights,
+    describe_scale,
+    mutations,
+    pipeline,
+    project,
+    with_scale,
+)
+from .report import CheckReport, Failure, StageCheck
+
+__all__ = ["Call", "Judge", "LARGE", "SHORT"]
+
+LARGE = 60.0  # large-magnitude probe: float32 exp overflows past scores of ~88
+SHORT = 16  # probes longer than this are diagnosed on a short probe first
+
+_Invoke = Callable[[torch.Tensor], tuple[torch.Tensor | None, str | None]]
+
+
+@dataclass
+class Call:
+    """One call of the target: the float64 input in reference layout and what came back."""
+
+    x: torch.Tensor  # (B, T, d) float64; B = 1 for an unbatched call
+    out: torch.Tensor  # (B, T, d_out) float64
+    batched: bool
+    ops: list[Op] = field(default_factory=list)
+    sdpa_ops: list[Op] = field(default_factory=list)
+
+
+def _seen(found: Found | None, stage: Stage, per_head: bool) -> str:
+    if found is None:
+        return "not seen as a tensor (fused or computed inline); consistent with the output"
+    bits = [f"matches the reference: {found.op.name}"]
+    if found.location:
+        bits.append(f"at {found.location}")
+    if found.layout:
+        bits.append(f"(layout: {found.layout})")
+    if abs(found.factor - 1) > 1e-3:
+        bits.append(f"(scaled by {found.factor:.4g}: the scale is folded in earlier)")
+    if per_head and stage in (
+        Stage.QUERIES,
+        Stage.KEYS,
+        Stage.VALUES,
+        Stage.SCORES,
+        Stage.SCALED_SCORES,
+        Stage.MASKED_SCORES,
+        Stage.WEIGHTS,
+        Stage.CONTEXT,
+    ):
+        bits.append("for every head")
+    return " ".join(bits)
+
+
+class Judge:
+    """Walks one target's calls through the reference and writes the report.
+
+    Args:
+        target: the target as the user named it (for the report).
+        kind, kind_reason: the kind checked and why it was chosen.
+        notes: remarks gathered while probing; the judge adds its own.
+        calls: at least one call; ``calls[0]`` is the one whose recording is reported.
+        invoke: runs the target on a float32 input, ``(out, None)`` or ``(None, error)``.
+        reprobe: a short probe of the same target (for fast diagnosis), or ``None``.
+    """
+
+    def __init__(
+        self,
+        *,
+        target: str,
+        kind: str,
+        kind_reason: str,
+        notes: list[str],
+        calls: list[Call],
+        invoke: _Invoke | None = None,
+        reprobe: Callable[[], list[Call] | None] | None = None,
+    ):
+        self.target, self.kind, self.kind_reason, self.notes = target, kind, kind_reason, notes
+        self.calls, self.invoke, self.reprobe = calls, invoke, reprobe
+        self.spec: Spec | None = None
+        self.w: Weights | None = None
+
+    def _stage_list(self) -> list[Stage]:
+        stages = list(stages_for_kind(self.kind))
+        if self.spec is not None and self.spec.has_out and Stage.OUTPUT not in stages:
+            stages.append(Stage.OUTPUT)
+        return stages
+
+    def _report(
+        self,
+        failure: Failure | None,
+        found: dict[Stage, Found | None],
+        refs: dict[Stage, torch.Tensor],
+        dims: Dims,
+        user_tensor: torch.Tensor | None = None,
+        user_full: torch.Tensor | None = None,
+    ) -> CheckReport:
+        checks: list[StageCheck] = []
+        per_head = self.spec is not None and self.spec.num_heads > 1
+        order = self._stage_list()
+        if failure is not None and failure.stage not in order:
+            order = sorted([*order, failure.stage], key=lambda st: st.order)
+        for stage in order:
+            f = found.get(stage)
+            predicted = dims.shape_of(stage) if stage is not Stage.QUERY else (dims.d_in,)
+            actual = tuple(f.op.output.shape) if f is not None else None
+            ref = refs.get(stage)
+            ref0 = (
+                ref[0] if ref is not None and ref.dim() >= 2 and stage is not Stage.QUERY else ref
+            )
+            if failure is not None and stage is failure.stage:
+                observed = user_tensor
+                implied = user_full.shape if user_full is not None else None
+                checks.append(
+                    StageCheck(
+                        stage,
+                        False,
+                        failure.message.split(". ")[0],
+                        predicted,
+                        tuple(implied) if implied is not None else actual,
+                        failure.location,
+                        ref0,
+                        observed,
+                    )
+                )
+                break
+            checks.append(
+                StageCheck(
+                    stage,
+                    True,
+                    _seen(f, stage, per_head),
+                    predicted,
+                    actual,
+                    f.location if f else None,
+                    ref0,
+                    None,
+                )
+            )
+        return CheckReport(
+            ok=failure is None,
+            kind=self.kind,
+            target=self.target,
+            first_failure=failure,
+            checks=checks,
+            kind_reason=self.kind_reason,
+            notes=self.notes,
+        )
+
+    def run(self, options: list[tuple[Weights | None, Spec]]) -> CheckReport:
+        """The report: correct under one reading of the weights, or the first failure."""
+        for w, spec in options:
+            if all(close(c.out, pipeline(c.x, spec, w)["output"]) for c in self.calls):
+                self.w, self.spec = w, spec
+                return self._correct_or_unstable()
+        # no reading reproduces the output: pick the one the recorded tensors confirm best
+        self.w, self.spec = max(options, key=lambda o: self._confirmations(*o))
+        return self._diagnose()
+
+    def _confirmations(self, w, spec) -> int:
+        call = self.calls[0]
+        ref = pipeline(call.x, spec, w)
+        ops = call.ops + call.sdpa_ops
+        n = 0
+        for stage in (Stage.QUERIES, Stage.KEYS, Stage.VALUES):
+            if (
+                stage.value in ref
+                and find_stage(ops, stage, ref[stage.value][:, ...], batched=call.batched)
+                is not None
+            ):
+                n += 1
+        return n
+
+    def _observe(self, call: Call) -> tuple[dict[Stage, Found | None], dict[Stage, torch.Tensor]]:
+        ref = pipeline(call.x, self.spec, self.w)
+        ops = call.ops + call.sdpa_ops
+        found: dict[Stage, Found | None] = {}
+        refs: dict[Stage, torch.Tensor] = {}
+        for stage in self._stage_list():
+            t = ref.get(stage.value)
+            if t is None:
+                continue
+            refs[stage] = t
+            found[stage] = find_stage(
+                ops,
+                stage,
+                t,
+                batched=call.batched,
+                spec_scale=self.spec.scale,
+                causal=self.spec.causal,
+            )
+        return found, refs
+
+    def _dims(self, call: Call) -> Dims:
+        s = self.spec
+        return Dims(
+            tokens=call.x.shape[1],
+            d_in=s.d_in,
+            d_out=s.d_out,
+            batch=call.x.shape[0] if call.batched else None,
+            num_heads=s.num_heads if s.multihead else None,
+        )
+
+    def _correct_or_unstable(self) -> CheckReport:
+        call = self.calls[0]
+        found, refs = self._observe(call)
+        failure = self._large_probe()
+        return self._report(failure, found, refs, self._dims(call))
+
+    def _large_probe(self) -> Failure | None:
+        """Correct on normal inputs: does it stay finite where torch.softmax does?"""
+        call = self.calls[0]
+        x = (call.x * LARGE).float()
+        rec = Recorder()
+        with rec:
+            out, err = self.invoke(x if call.batched else x[0])
+        if err is not None:
+            return None
+        ref = pipeline(x.double(), self.spec, self.w)["output"]
+        bad = ~torch.isfinite(out.double())
+        if not bad.any() or (~torch.isfinite(ref)).any():
+            return None
+        exp_ops = [
+            op
+            for op in rec.ops
+            if op.name in ("exp", "exp2", "pow", "__pow__", "__rpow__")
+            and not torch.isfinite(op.output).all()
+        ]
+        where = exp_ops[0].location if exp_ops else None
+        if exp_ops:
+            msg = (
+                f"weights: the softmax overflows: exp() of scores up to "
+                f"{self._max_logit(x):.3g} gives inf, and inf/inf is NaN ({int(bad.sum())} "
+                "output entries not finite) at large input magnitude, where torch.softmax "
+                "stays finite. Subtract each row's maximum before exp, or use torch.softmax"
+            )
+            if where:
+                msg += f". Look at {where}"
+            return Failure(Stage.WEIGHTS, "unstable_softmax", msg, where)
+        # No overflowing exp: the values are right; the arithmetic loses range. Say so, but
+        # a correct computation is not called wrong.
+        self.notes.append(
+            f"at {LARGE:g}x the input magnitude {int(bad.sum())} output entries become inf or "
+            "NaN where the reference stays finite (no exp overflow was seen)"
+        )
+        return None
+
+    def _max_logit(self, x: torch.Tensor) -> float:
+        stages = pipeline(x.double(), self.spec, self.w)
+        return stages["scaled_scores"].abs().max().item()
+
+    def _diagnose(self) -> CheckReport:
+        call = self.calls[0]
+        found, refs = self._observe(call)
+        hit = self._explain_quickly()
+        if hit is not None:
+            mut, stages = hit
+            user = stages.get(mut.stage.value)
+            user0 = user[0] if user is not None and user.dim() >= 2 else user
+            where = self._where(mut, stages, call)
+            failure = Failure(mut.stage, mut.code, self._message(mut, where), where)
+            return self._report(failure, found, refs, self._dims(call), user0, user)
+        failure, user0 = self._fallback(found, refs, call)
+        return self._report(failure, found, refs, self._dims(call), user0)
+
+    def _explain_quickly(self) -> tuple[Mutation, dict] | None:
+        """Search the catalogue on a short probe, then confirm on the full one.
+
+        The mistakes do not depend on the length; a long probe (a GPT-2 layer at 128
+        tokens) would make every one of ~100 mutations cost as much as the layer itself.
+        """
+        full = self.calls
+        short = None
+        if full[0].x.shape[1] > SHORT and self.reprobe is not None:
+            short = self.reprobe()
+        if not short:
+            return self._explain(full)
+        hit = self._explain(short)
+        if hit is None:
+            return None  # the catalogue does not depend on the length: no need to rerun
+        mut = hit[0]
+        projs = [project(c.x, self.spec, self.w) for c in full]
+        confirmed = [self._mutant(c, p, mut) for c, p in zip(full, projs, strict=True)]
+        if all(o is not None for o in confirmed):
+            return mut, confirmed[0]
+        return self._explain(full)
+
+    def _explain(self, calls: list[Call]) -> tuple[Mutation, dict] | None:
+        ref_outs = [pipeline(c.x, self.spec, self.w)["output"] for c in calls]
+        tokens = calls[0].x.shape[1]
+        batch = max(c.x.shape[0] for c in calls)
+        combined = self.w is not None and "[q|k|v]" in self.w.source
+        candidates = mutations(self.spec, tokens, batch, combined_qkv=combined)
+        projs = [project(c.x, self.spec, self.w) for c in calls]
+        for mut in candidates:
+            outs = []
+            for c, p in zip(calls, projs, strict=True):
+                out = self._mutant(c, p, mut)
+                if out is None:
+                    break
+                outs.append(out)
+            else:
+                if not all(close(o["output"], r) for o, r in zip(outs, ref_outs, strict=True)):
+                    return mut, outs[0]
+        template = next((m for m in candidates if m.code == "missing_scale"), None)
+        if template is not None:
+            return self._fit_scale(template, calls)
+        return None
+
+    def _mutant(self, call: Call, proj, mut: Mutation) -> dict | None:
+        """The mutation's stages for this call if its output is the user's, else None.
+
+        An unbatched call may have been batched inside the user's code, so axis numbers
+        are tried in both layouts.
+        """
+        layouts = [call.batched] + ([True] if not call.batched and mut.user_dim is not None else [])
+        for batched in layouts:
+            try:
+                stages = pipeline(call.x, self.spec, self.w, mut, proj, batched=batched)
+            except (RuntimeError, ValueError, IndexError):
+                continue
+            if close(call.out, stages["output"]):
+                return stages
+        return None
+
+    def _fit_scale(self, template: Mutation, calls: list[Call]) -> tuple[Mutation, dict] | None:
+        """A scale factor nobody named: search it on a log grid, then refine."""
+
+        projs = [project(call.x, self.spec, self.w) for call in calls]
+
+        def err(c: float) -> float:
+            total = 0.0
+            for call, p in zip(calls, projs, strict=True):
+                o = pipeline(call.x, self.spec, self.w, with_scale(template, c, ""), p)["output"]
+                d = (o - call.out).abs()
+                if not torch.isfinite(d).all():
+                    return math.inf
+                total += (d.max() / max(call.out.abs().max().item(), 1e-12)).item()
+            return total
+
+        grid = [10 ** (e / 10) for e in range(-40, 21)]
+        errs = [err(c) for c in grid]
+        i = min(range(len(grid)), key=errs.__getitem__)
+        lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+        for _ in range(30):  # golden-section refinement in log space
+            a, b = math.log(lo), math.log(hi)
+            m1, m2 = math.exp(a + (b - a) * 0.382), math.exp(a + (b - a) * 0.618)
+            if err(m1) < err(m2):
+                hi = m2
+            else:
+                lo = m1
+        c = math.sqrt(lo * hi)
+        if math.isclose(c, self.spec.scale, rel_tol=1e-3):
+            return None
+        tokens = calls[0].x.shape[1]
+        mut = with_scale(template, c, describe_scale(c, self.spec, tokens))
+        mut.code = "missing_scale" if math.isclose(c, 1.0, rel_tol=1e-3) else "wrong_scale"
+        outs = [pipeline(call.x, self.spec, self.w, mut) for call in calls]
+        if all(
+            close(call.out, o["output"], rtol=1e-3) for call, o in zip(calls, outs, strict=True)
+        ):
+            return mut, outs[0]
+        return None
+
+    def _where(self, mut: Mutation, stages: dict, call: Call) -> str | None:
+        """The line of the user's code that made the wrong stage's tensor."""
+        t = stages.get(mut.stage.value)
+        ops = call.ops + call.sdpa_ops
+        if t is not None and mut.stage is not Stage.OUTPUT:
+            f = find_stage(
+                ops,
+                mut.stage,
+                t,
+                batched=call.batched,
+                spec_scale=self.spec.scale,
+                causal=self.spec.causal,
+            )
+            if f is not None and f.location:
+                return f.location
+        located = [op for op in call.ops if op.location]
+        if mut.stage is Stage.OUTPUT and located:
+            return located[-1].location
+        return None
+
+    def _message(self, mut: Mutation, where: str | None) -> str:
+        s = self.spec
+        stage = mut.stage.value
+        meaning = MISTAKES[mut.code].meaning
+        expected = {
+            "wrong_projection": "expected queries = x @ W_query, keys = x @ W_key, "
+            "values = x @ W_value",
+            "heads_split": "expected (b, tokens, d_out) -> view(b, tokens, num_heads, head_dim)"
+            " -> transpose(1, 2)",
+            "scores_transposed": "expected queries @ keys.transpose(-2, -1): row i is query i",
+            "wrong_key_index": "expected scores[i, j] = query_i . key_j, key j at column j",
+            "not_dot_product": "expected the dot product query_i . key_j",
+            "batch_mixing": "expected each sequence to attend only to its own tokens "
+            "(matmul over the last two dims, batch kept apart)",
+            "missing_scale": f"expected scores / sqrt(d_k) with d_k = keys.shape[-1] = "
+            f"{s.head_dim} (factor {s.scale:.4g})",
+            "wrong_scale": f"expected 1/sqrt(d_k) = 1/sqrt({s.head_dim}) = {s.scale:.4g}, "
+            f"d_k being the keys' last dimension{' per head' if s.num_heads > 1 else ''}",
+            "missing_mask": "expected scores of keys after the query (j > i) set to -inf",
+            "mask_diagonal": "expected torch.triu(ones, diagonal=1): each token sees itself "
+            "and the tokens before it, none after",
+            "mask_fill_value": "expected -inf (or a very negative number) so masked keys get "
+            "weight 0",
+            "softmax_wrong_dim": "expected softmax over the keys, dim=-1, so each query's "
+            "weights sum to 1",
+            "not_softmax": "expected torch.softmax(scaled_scores, dim=-1)",
+            "mask_after_softmax": "expected the mask on the scores before the softmax, so each "
+            "row of weights still sums to 1",
+            "context_wrong_product": "expected weights @ values: context_i = sum_j w_ij value_j",
+            "heads_merge": "expected context.transpose(1, 2).reshape(b, tokens, d_out)",
+            "missing_out_proj": "expected the output projection applied to the merged heads",
+        }.get(mut.code, "")
+        msg = f"{stage}: {meaning}: found {mut.label}"
+        if mut.code == "wrong_scale" and s.simplified:
+            msg = f"{stage}: scores scaled by {mut.facts.get('name')}"
+            expected = "expected the raw scores: simplified attention (no trainable weights) is "
+            expected += "not scaled"
+        elif mut.code == "wrong_scale":
+            msg = f"{stage}: scores scaled by {mut.facts.get('name')} instead of 1/sqrt(d_k)"
+        msg += f". {expected[:1].upper()}{expected[1:]}" if expected else ""
+        if where:
+            msg += f". Look at {where}"
+        return msg
+
+    def _fallback(self, found, refs, call) -> tuple[Failure, torch.Tensor | None]:
+        """No known mistake reproduces the output: blame the first stage not found.
+
+        A stage that was not seen is excused when a later stage that depends on it was
+        seen (it was computed inline); values feed only the context and the output.
+        """
+        order = self._stage_list()
+        swapped = self._substitute(call, refs)
+        if swapped is not None:
+            stage, op = swapped
+            code = self._guess_code(stage, found, op.output)
+            what = MISTAKES[code].meaning if code != "other" else "it differs from the reference"
+            msg = (
+                f"{stage.value}: {what}: the tensor made here, used in place of the reference "
+                f"{stage.value}, reproduces the output"
+            )
+            if op.location:
+                msg += f". Look at {op.location}"
+            return Failure(stage, code, msg, op.location), op.output
+        last_found = None
+        for i, stage in enumerate(order):
+            if found.get(stage) is not None:
+                last_found = found[stage]
+                continue
+            later = order[i + 1 :]
+            if stage in (Stage.QUERIES, Stage.KEYS):
+                later = [s for s in later if s is not Stage.VALUES]
+            elif stage is Stage.VALUES:
+                later = [s for s in later if s in (Stage.CONTEXT, Stage.OUTPUT)]
+            if any(found.get(s) is not None for s in later):
+                continue  # unseen, but a stage computed from it matches: it was inline
+            code = self._guess_code(stage, found, None)
+            msg = (
+                f"{stage.value}: no tensor in the implementation equals the reference "
+                f"{stage.value} ({stage.rule}), and no known mistake explains the output"
+            )
+            if code != "other":
+                msg = f"{stage.value}: {MISTAKES[code].meaning} (no known variant matches exactly)"
+            where = last_found.location if last_found else None
+            if where:
+                msg += f". The last stage that matched was computed at {where}; look just after it"
+            return Failure(stage, code, msg, where), None
+        final = order[-1]
+        where = found[final].location if found.get(final) else None
+        msg = (
+            f"{final.value}: every stage matches the reference, but the tensor returned is not "
+            f"the {final.value} computed"
+            + (f" at {where}" if where else "")
+            + ": something is done to it before it is returned"
+        )
+        return Failure(final, "other", msg, where), None
+
+    def _classify_scores(self, user: torch.Tensor) -> str:
+        """Name what a user's score matrix is: transposed, shifted along keys, or not q . k."""
+        call = self.calls[0]
+        ref = pipeline(call.x, self.spec, self.w)["scores"]
+        u = user.double() if call.batched else user.double().unsqueeze(0)
+        if u.shape != ref.shape:
+            return "not_dot_product"
+        if close(u, ref.mT):
+            return "scores_transposed"
+        n = ref.shape[-1]
+        for s in range(1, n):
+            if close(u, ref.roll(s, dims=-1)):
+                return "wrong_key_index"
+            # shifted without wrapping: every column but the leftover one matches
+            if close(u[..., : n - s], ref[..., s:]) or close(u[..., s:], ref[..., : n - s]):
+                return "wrong_key_index"
+        if close(u, ref.flip(-1)):
+            return "wrong_key_index"
+        return "not_dot_product"
+
+    def _substitute(self, call: Call, refs) -> tuple[Stage, Op] | None:
+        """The first stage whose reference, swapped for a tensor the user made, gives the output.
+
+        Catches changes nobody catalogued: values normalised, weights renormalised oddly.
+        """
+        stages = [s for s in self._stage_list() if s not in (Stage.OUTPUT, Stage.QUERY)]
+        for stage in stages:
+            ref = refs.get(stage)
+            if ref is None:
+                continue
+            shape = ref.shape if call.batched else ref.shape[1:]
+            for op in call.ops:
+                if op.output.shape != shape or op.stale:
+                    continue
+                user = op.output.double() if call.batched else op.output.double().unsqueeze(0)
+                if close(user, ref):
+                    continue
+                mut = Mutation("other", stage, "", replace={stage.value: user})
+                try:
+                    out = pipeline(call.x, self.spec, self.w, mut)["output"]
+                except (RuntimeError, ValueError):
+                    continue
+                if close(call.out, out):
+                    return stage, op
+        return None
+
+    def _classify_masked(self, user: torch.Tensor) -> str:
+        """Name what a user's masked scores are: unmasked, a finite fill, the wrong cells."""
+        call = self.calls[0]
+        ref = pipeline(call.x, self.spec, self.w)
+        u = user.double() if call.batched else user.double().unsqueeze(0)
+        masked, scaled = ref["masked_scores"], ref["scaled_scores"]
+        if u.shape != masked.shape:
+            return "other"
+        hidden = ~torch.isfinite(masked)
+        if close(u, scaled):
+            return "missing_mask"
+        very_negative = ~torch.isfinite(u) | (u < -1e4)
+        if not torch.equal(very_negative, hidden) and very_negative.any():
+            return "mask_diagonal"
+        fills = u[hidden]
+        if fills.numel() and torch.isfinite(fills).all() and close(u[~hidden], scaled[~hidden]):
+            return "mask_fill_value"
+        return "other"
+
+    def _guess_code(self, stage: Stage, found, user: torch.Tensor | None) -> str:
+        if stage is Stage.SCORES and user is not None:
+            return self._classify_scores(user)
+        if stage is Stage.MASKED_SCORES and user is not None:
+            return self._classify_masked(user)
+        if stage is Stage.SCORES and found.get(Stage.QUERIES) and found.get(Stage.KEYS):
+            return "not_dot_product"
+        if stage is Stage.WEIGHTS:
+            if user is not None:
+                rows = user.double().nan_to_num(0).sum(-1)
+                cols = user.double().nan_to_num(0).sum(-2)
+                if torch.allclose(cols, torch.ones_like(cols), atol=1e-4) and not torch.allclose(
+                    rows, torch.ones_like(rows), atol=1e-4
+                ):
+                    return "softmax_wrong_dim"
+            return "not_softmax"
+        if (
+            stage is Stage.CONTEXT
+            and user is None
+            and found.get(Stage.WEIGHTS)
+            and found.get(Stage.VALUES)
+        ):
+            return "context_wrong_product"
+        return "other"
