@@ -48,7 +48,10 @@ class OldHFMask(nn.Module):  # correct: additive -10000 mask, float64 softmax
     def forward(self, x):
         b, t, d = x.shape
         hd = d // self.n_heads
-        sh = lambda z: z.view(b, t, self.n_heads, hd).permute(0, 2, 1, 3)
+
+        def sh(z):
+            return z.view(b, t, self.n_heads, hd).permute(0, 2, 1, 3)
+
         q, k, v = sh(self.q(x)), sh(self.k(x)), sh(self.v(x))
         s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(hd)
         s = s + (1.0 - self.bias[:, :, :t, :t]) * -10000.0

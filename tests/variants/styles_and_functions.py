@@ -115,7 +115,7 @@ def scores_loop_manual(inputs, query_index):
     out = torch.empty(inputs.shape[0])
     for i in range(inputs.shape[0]):
         acc = 0.0
-        for a, b in zip(inputs[i], q):
+        for a, b in zip(inputs[i], q, strict=False):
             acc += a * b
         out[i] = acc
     return out
