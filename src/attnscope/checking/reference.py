@@ -9,6 +9,7 @@ and never exist as tensors.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -92,8 +93,12 @@ def merge(t: T) -> T:
     return t.transpose(1, 2).reshape(b, n, h * hd)
 
 
+@functools.lru_cache(maxsize=64)
 def causal_hide(n: int, diagonal: int = 1) -> T:
-    """``(n, n)`` bool, True where key j is hidden from query i (``j - i >= diagonal``)."""
+    """``(n, n)`` bool, True where key j is hidden from query i (``j - i >= diagonal``).
+
+    Cached (every mutation asks for it); callers only read it.
+    """
     return torch.ones(n, n, dtype=torch.bool).triu(diagonal)
 
 
