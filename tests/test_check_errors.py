@@ -219,3 +219,37 @@ def test_cli_refuses_to_overwrite_an_html_report(capsys, tmp_path):
     )
     assert code == 2 and "--force" in err
     assert existing.read_text() == "keep me"
+
+
+def test_sys_exit_in_the_target_is_its_failure(tmp_path):
+    """sys.exit() in the user's code is reported as the target raising, not our exit code."""
+    path = _head(tmp_path, ret="__import__('sys').exit(4)")
+    with pytest.raises(AttnScopeError, match=r"raised on every probe: .*SystemExit: 4"):
+        check(f"{path}:Head")
+    exits_on_import = _file(tmp_path, "import sys\nsys.exit(3)\n", name="exits.py")
+    with pytest.raises(AttnScopeError, match="importing it raised SystemExit"):
+        check(f"{exits_on_import}:Anything")
+
+
+def test_timeout_covers_importing_the_file(tmp_path):
+    path = _file(tmp_path, "while True:\n    pass\n", name="spins.py")
+    with pytest.raises(AttnScopeError, match="importing it ran past --timeout 0.3s"):
+        check(f"{path}:Anything", timeout=0.3)
+
+
+def test_the_targets_own_timeout_error_is_not_taken_for_ours(tmp_path):
+    path = _head(tmp_path, ret="(_ for _ in ()).throw(TimeoutError('the net'))")
+    with pytest.raises(AttnScopeError, match=r"raised on every probe: .*TimeoutError: the net"):
+        check(f"{path}:Head")
+
+
+def test_syntax_error_names_the_users_line(tmp_path):
+    path = _file(tmp_path, "x = 1\ndef broken(:\n    pass\n", name="broken.py")
+    with pytest.raises(AttnScopeError, match=r"SyntaxError: .*broken\.py:2\)"):
+        check(f"{path}:broken")
+
+
+def test_long_probe_with_an_inferred_context_length():
+    """--tokens larger than the default context length: the inferred one grows to hold it."""
+    report = check("attnscope.modules:CausalAttention", tokens=40)
+    assert report.ok, report.to_text(color=False)

@@ -111,3 +111,12 @@ def test_report_text_and_notebook_html():
     report = check(BUGGY)
     assert "missing_scale" in str(report)
     assert "<" in report._repr_html_()
+
+
+def test_check_restores_the_callers_thread_count():
+    """check() runs small probes on one thread (far faster on a busy CPU) and gives it back."""
+    import torch
+
+    before = torch.get_num_threads()
+    check(CORRECT)
+    assert torch.get_num_threads() == before

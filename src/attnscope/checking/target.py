@@ -145,7 +145,7 @@ class Target:
         return isinstance(self.obj, nn.Module)
 
 
-def _import_file(path: Path) -> object:
+def _import_file(path: Path, timeout: float | None = None) -> object:
     name = f"_attnscope_target_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -154,8 +154,11 @@ def _import_file(path: Path) -> object:
     sys.modules[name] = module
     sys.path.insert(0, str(path.parent.resolve()))
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file raised while importing
+        with _deadline(timeout):
+            spec.loader.exec_module(module)
+    except _PastDeadline as exc:
+        raise AttnScopeError(f"{path}: importing it {exc}") from None
+    except (Exception, SystemExit) as exc:  # the user's file raised while importing
         raise AttnScopeError(f"{path}: importing it raised {_exc_line(exc)}") from None
     finally:
         sys.path.pop(0)
@@ -165,6 +168,8 @@ def _import_file(path: Path) -> object:
 def _exc_line(exc: BaseException) -> str:
     """``ValueError: message (at file.py:12)``, the innermost frame of the user's code."""
     where = ""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"SyntaxError: {exc.msg} (at {exc.filename}:{exc.lineno})"
     tb = traceback.extract_tb(exc.__traceback__)
     user = [f for f in tb if "/torch/" not in f.filename and "/attnscope/" not in f.filename]
     if user:
@@ -173,7 +178,7 @@ def _exc_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}{where}"
 
 
-def _resolve(text: str) -> object:
+def _resolve(text: str, timeout: float | None = None) -> object:
     if ":" not in text:
         raise AttnScopeError(
             f"target: expected path/to/file.py:NAME or package.module:NAME, got {text!r}"
@@ -185,13 +190,13 @@ def _resolve(text: str) -> object:
         path = Path(where)
         if not path.is_file():
             raise AttnScopeError(f"target: expected an existing Python file, got {where!r}")
-        module = _import_file(path)
+        module = _import_file(path, timeout)
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
             raise AttnScopeError(f"target: could not import module {where!r}: {exc}") from None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise AttnScopeError(f"target: importing {where!r} raised {_exc_line(exc)}") from None
     obj = module
     for part in attr.split("."):
@@ -223,8 +228,11 @@ def _required(fn: Callable) -> list[inspect.Parameter]:
     ]
 
 
-def infer_init(cls: type, kind: str | None) -> dict:
-    """Constructor arguments from their names; sizes differ so that confusions show."""
+def infer_init(cls: type, kind: str | None, tokens: int | None = None) -> dict:
+    """Constructor arguments from their names; sizes differ so that confusions show.
+
+    A context length is chosen to hold ``tokens`` when a probe length is asked for.
+    """
     kwargs: dict = {}
     sig = inspect.signature(cls.__init__)
     names = [n for n in sig.parameters if n != "self"]
@@ -239,6 +247,8 @@ def infer_init(cls: type, kind: str | None) -> dict:
                 value = size
                 if group == "model" and has_in_out:
                     value = SIZES["d_out"]
+                if group == "context" and tokens is not None:
+                    value = max(SIZES["context"], tokens + 2)
                 break
         if value is inspect.Parameter.empty and low in _FLAGS_BIAS:
             value = p.default if p.default is not inspect.Parameter.empty else False
@@ -260,9 +270,18 @@ def infer_init(cls: type, kind: str | None) -> dict:
 
 
 def load(
-    target: str | object, *, kind: str | None = None, init: dict | None = None, seed: int = 0
+    target: str | object,
+    *,
+    kind: str | None = None,
+    init: dict | None = None,
+    seed: int = 0,
+    tokens: int | None = None,
+    timeout: float | None = None,
 ) -> Target:
-    """Load and build ``target``; see the module docstring for what it may be."""
+    """Load and build ``target``; see the module docstring for what it may be.
+
+    ``tokens`` sizes an inferred context length; ``timeout`` bounds importing and building.
+    """
     if kind is not None and kind not in KINDS:
         raise AttnScopeError(f"--kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     if init is not None and not isinstance(init, dict):
@@ -272,7 +291,7 @@ def load(
         if isinstance(target, str)
         else getattr(target, "__qualname__", None) or type(target).__name__
     )
-    obj = _resolve(target) if isinstance(target, str) else target
+    obj = _resolve(target, timeout) if isinstance(target, str) else target
     torch.manual_seed(seed)
     if isinstance(obj, nn.Module):
         if init:
@@ -284,10 +303,13 @@ def load(
                 f"target: expected an nn.Module class, instance or function, got class "
                 f"{obj.__name__}"
             )
-        kwargs = dict(init) if init is not None else infer_init(obj, kind)
+        kwargs = dict(init) if init is not None else infer_init(obj, kind, tokens)
         try:
-            module = obj(**kwargs)
-        except Exception as exc:
+            with _deadline(timeout):
+                module = obj(**kwargs)
+        except _PastDeadline as exc:
+            raise AttnScopeError(f"{obj.__name__}({_kw(kwargs)}) {exc}") from None
+        except (Exception, SystemExit) as exc:
             raise AttnScopeError(
                 f"{obj.__name__}({_kw(kwargs)}) raised {_exc_line(exc)}; pass constructor "
                 "arguments with --init '{...}'"
@@ -298,8 +320,11 @@ def load(
             raise AttnScopeError("--init: expected a class, but the target is a function")
         if not _required(obj) and kind not in ("scores", "simplified"):
             try:
-                made = obj()
-            except Exception as exc:
+                with _deadline(timeout):
+                    made = obj()
+            except _PastDeadline as exc:
+                raise AttnScopeError(f"{text}() {exc}") from None
+            except (Exception, SystemExit) as exc:
                 raise AttnScopeError(f"{text}() raised {_exc_line(exc)}") from None
             if not isinstance(made, nn.Module):
                 raise AttnScopeError(
@@ -318,9 +343,15 @@ def _kw(kwargs: dict) -> str:
 # ------------------------------------------------------------------------------ calling
 
 
+class _PastDeadline(BaseException):
+    """Raised into the target's code by the alarm; a BaseException, so that the target's
+    own ``except Exception`` cannot swallow it, and not a TimeoutError, so that the
+    target's own TimeoutError is not taken for ours."""
+
+
 @contextlib.contextmanager
 def _deadline(seconds: float | None) -> Iterator[None]:
-    """Raise TimeoutError after ``seconds`` (main thread, where SIGALRM exists)."""
+    """Raise :class:`_PastDeadline` after ``seconds`` (main thread, where SIGALRM exists)."""
     usable = (
         seconds is not None
         and hasattr(signal, "SIGALRM")
@@ -331,7 +362,7 @@ def _deadline(seconds: float | None) -> Iterator[None]:
         return
 
     def on_alarm(signum, frame):
-        raise TimeoutError(f"ran past --timeout {seconds:g}s")
+        raise _PastDeadline(f"ran past --timeout {seconds:g}s")
 
     old = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -348,7 +379,7 @@ def call_safely(fn: Callable, *args, timeout: float | None = None, **kwargs):
         with _deadline(timeout), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the user's deprecation noise is not the report
             return fn(*args, **kwargs), None
-    except TimeoutError as exc:
+    except _PastDeadline as exc:
         raise AttnScopeError(f"the target {exc}") from None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in the target is its failure, not ours
         return None, _exc_line(exc)
