@@ -80,7 +80,7 @@ def check_agree(impls: dict[str, Callable], x: torch.Tensor) -> None:
         ref = impls["explicit"](x)
         for name, fn in impls.items():
             out = fn(x)
-            out = out.output if name == "trace" else out
+            out = out.result if name == "trace" else out
             diff = (out - ref).abs().max().item()
             if diff > 1e-4:
                 raise SystemExit(f"{name} differs from explicit by {diff:.2e}: not timing it")

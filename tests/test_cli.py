@@ -14,6 +14,7 @@ import torch
 import attnscope
 from attnscope.checking.report import CheckReport, Failure, StageCheck
 from attnscope.cli import main
+from attnscope.demo import run_demo
 from attnscope.stages import Stage
 
 BOOK = attnscope.book_embeddings()
@@ -24,21 +25,6 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def _has_figures() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-
-        import attnscope.render.figures  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_figures = pytest.mark.skipif(
-    not _has_figures(), reason="attnscope.render.figures or matplotlib not importable yet"
-)
 
 
 # --- demo ----------------------------------------------------------------------------------------
@@ -88,18 +74,30 @@ def test_demo_causal_masks_the_future_and_shows_dropout(capsys):
     assert "0.9544" not in out  # only the causal part
 
 
-def test_demo_multihead_reproduces_the_books_output(capsys):
-    code, out, _ = run_cli(capsys, "demo", "--kind", "multihead")
+def test_demo_causal_multihead_reproduces_the_books_output(capsys):
+    code, out, _ = run_cli(capsys, "demo", "--kind", "causal-multihead")
     assert code == 0
     assert "(2, 6, 1)" in out and "0.3190  0.4858" in out
+    assert "matches the book: multihead first row" in out and "-inf" in out
     assert "pass  the fast path (scaled_dot_product_attention) equals the explicit stages" in out
+
+
+def test_demo_multihead_is_not_causal_as_in_trace(capsys):
+    """--kind multihead means the same in demo, trace and check: no causal mask."""
+    code, out, _ = run_cli(capsys, "demo", "--kind", "multihead")
+    assert code == 0, out
+    assert "causal=False" in out and "-inf" not in out and "matches the book" not in out
+    assert "weights are positive and each row sums to 1" in out
+    result = run_demo("multihead")
+    assert result.main_trace.kind == "multihead" and "masked_scores" not in result.main_trace
 
 
 def test_demo_all_walks_every_part(capsys):
     code, out, _ = run_cli(capsys, "demo", "--kind", "all")
     assert code == 0
-    assert out.index("Simplified") < out.index("SelfAttentionV1") < out.index("Causal")
-    assert out.index("Causal") < out.index("Multi-head")
+    assert out.index("Simplified") < out.index("SelfAttentionV1") < out.index("Causal attention")
+    assert out.index("Causal attention") < out.index("== Multi-head attention (causal=False")
+    assert out.index("== Multi-head") < out.index("== Causal multi-head attention")
 
 
 def test_demo_another_token_and_seed_change_the_numbers(capsys):
@@ -129,6 +127,36 @@ def test_demo_and_trace_read_embeddings_files(capsys, tmp_path, suffix):
     assert "masked_scores  (4, 4)" in out
 
 
+def test_demo_and_trace_pass_on_embeddings_with_large_scores(capsys, tmp_path):
+    """The book's embeddings x20: softmax weights underflow to exactly 0, scores are far
+    too large for the naive softmax, and 2x the input would leave the weights one-hot."""
+    path = tmp_path / "big.pt"
+    torch.save(BOOK * 20, path)
+    code, out, err = run_cli(capsys, "demo", "--kind", "all", "--input", str(path))
+    assert code == 0, [line for line in out.splitlines() if "FAIL" in line]
+    assert "skipped: these scores are not small" in out and "exp underflows float32" in out
+    assert "pass  the attention weights change with the input" in out
+    code, out, err = run_cli(capsys, "trace", "--kind", "simplified", "--input", str(path))
+    assert code == 0, out
+
+
+def test_demo_long_vectors_are_cut_short_in_check_details(capsys, tmp_path):
+    path = tmp_path / "wide.pt"
+    torch.save(torch.randn(6, 128, generator=torch.Generator().manual_seed(0)), path)
+    code, out, _ = run_cli(capsys, "demo", "--kind", "simplified", "--input", str(path))
+    assert code == 0
+    walk = next(line for line in out.splitlines() if "single-token context vector" in line)
+    assert walk.count("(128 values)") == 2 and len(walk) < 400
+
+
+def test_run_demo_accepts_labels_that_are_not_strings():
+    from attnscope.render.text import demo_text
+
+    result = run_demo("simplified", labels=[1, 2, 3, 4, 5, 6])
+    assert result.main_trace.labels == ("1", "2", "3", "4", "5", "6")
+    assert "input: 1 2 3 4 5 6" in demo_text(result, color=False)
+
+
 def test_labels_option_names_the_tokens(capsys):
     code, out, _ = run_cli(capsys, "demo", "--kind", "simplified", "--labels", "a,b,c,d,e,f")
     assert code == 0 and "input: a b c d e f" in out and "(query: token 1, 'b')" in out
@@ -137,8 +165,8 @@ def test_labels_option_names_the_tokens(capsys):
 def test_demo_writes_html_with_its_checks(capsys, tmp_path, monkeypatch):
     calls = []
 
-    def fake_trace_html(trace, path, *, checks=None, title=None, overwrite=False):
-        calls.append((trace, path, checks, title, overwrite))
+    def fake_trace_html(trace, path, *, checks=None, title=None, overwrite=False, token=1):
+        calls.append((trace, path, checks, title, overwrite, token))
         Path(path).write_text("<html>")
         return "<html>"
 
@@ -146,8 +174,8 @@ def test_demo_writes_html_with_its_checks(capsys, tmp_path, monkeypatch):
     target = tmp_path / "demo.html"
     code, _, err = run_cli(capsys, "demo", "--html", str(target))
     assert code == 0 and "wrote" in err
-    trace, path, checks, title, overwrite = calls[0]
-    assert trace.kind == "self" and path == str(target) and overwrite is False
+    trace, path, checks, title, overwrite, token = calls[0]
+    assert trace.kind == "self" and path == str(target) and overwrite is False and token == 1
     assert ("the loop and torch.dot agree", True) in [c[:2] for c in checks]
     assert all(isinstance(c, tuple) and len(c) == 3 for c in checks)
     code, _, _ = run_cli(capsys, "demo", "--html", str(target), "--force")
@@ -155,7 +183,6 @@ def test_demo_writes_html_with_its_checks(capsys, tmp_path, monkeypatch):
 
 
 def test_demo_html_report_is_written_by_the_real_renderer(capsys, tmp_path):
-    pytest.importorskip("attnscope.render.html")
     target = tmp_path / "demo.html"
     code, _, err = run_cli(capsys, "demo", "--kind", "simplified", "--html", str(target))
     assert code == 0, err
@@ -203,10 +230,18 @@ def test_trace_summarises_large_inputs(capsys, tmp_path):
     assert "(40, 40): min" in out and "too large to print" in out
 
 
+def test_trace_html_walks_the_token_asked_for(capsys, tmp_path):
+    target = tmp_path / "t.html"
+    code, out, err = run_cli(capsys, "trace", "--token", "3", "--html", str(target))
+    assert code == 0, err
+    assert "walk: token 3 ('with')" in out
+    page = target.read_text(encoding="utf-8")
+    assert "Single query: token 3 “with”" in page and "Single query: token 1" not in page
+
+
 # --- plot ----------------------------------------------------------------------------------------
 
 
-@needs_figures
 @pytest.mark.parametrize("suffix", [".png", ".svg"])
 def test_plot_writes_a_heatmap(capsys, tmp_path, suffix):
     target = tmp_path / f"w{suffix}"
@@ -217,7 +252,6 @@ def test_plot_writes_a_heatmap(capsys, tmp_path, suffix):
     assert head.startswith(b"\x89PNG") if suffix == ".png" else b"<svg" in target.read_bytes()
 
 
-@needs_figures
 def test_plot_pipeline_and_masked_scores(capsys, tmp_path):
     code, _, err = run_cli(capsys, "plot", "--pipeline", "-o", str(tmp_path / "p.png"))
     assert code == 0, err
@@ -235,7 +269,6 @@ def test_plot_pipeline_and_masked_scores(capsys, tmp_path):
     assert (tmp_path / "p.png").exists() and (tmp_path / "m.svg").exists()
 
 
-@needs_figures
 def test_plot_replaces_a_file_only_with_force(capsys, tmp_path):
     target = tmp_path / "w.png"
     target.write_bytes(b"mine")
@@ -305,7 +338,6 @@ def test_check_json_is_the_reports_json(capsys, monkeypatch):
 
 
 def test_check_html_honours_force(capsys, monkeypatch, tmp_path):
-    pytest.importorskip("attnscope.render.html")
     monkeypatch.setattr("attnscope.checking.check", lambda target, **k: _fake_report(True))
     target = tmp_path / "check.html"
     code, _, err = run_cli(capsys, "check", "mine.py:Attn", "--html", str(target))
@@ -320,13 +352,9 @@ def test_check_html_honours_force(capsys, monkeypatch, tmp_path):
 
 def test_check_runs_the_real_checker_on_the_books_causal_attention(capsys):
     path = REPO / "examples" / "gallery" / "correct" / "causal_book.py"
-    if not path.exists():
-        pytest.skip("the gallery is not in this checkout")
-    source = path.read_text()
-    name = "CausalAttention" if "class CausalAttention" in source else None
-    if name is None:
-        pytest.skip("causal_book.py has no CausalAttention class")
-    code, out, err = run_cli(capsys, "check", f"{path}:{name}")
+    assert path.exists(), "the gallery's causal_book.py is part of the repository"
+    assert "class CausalAttention" in path.read_text()
+    code, out, err = run_cli(capsys, "check", f"{path}:CausalAttention")
     assert code == 0, out + err
     assert "masked_scores" in out
 

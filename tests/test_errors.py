@@ -316,3 +316,113 @@ def test_finite_check_accepts_huge_finite_values_and_catches_nan_among_them():
     opposite = torch.tensor([[float("inf"), -float("inf")]])  # sums to NaN, not inf
     with pytest.raises(AttnScopeError, match="2 NaN or inf"):
         check_embeddings(opposite)
+
+
+# --- functional: one error naming what was expected and given, never a torch traceback -----------
+
+AF = attnscope.functional
+
+
+@pytest.mark.parametrize("fn", [AF.softmax, AF.normalize_sum, AF.softmax_naive])
+@pytest.mark.parametrize("dim", [2, -3, 1.0, True])
+def test_normalising_along_an_axis_the_scores_lack_is_rejected(fn, dim):
+    with pytest.raises(AttnScopeError, match=r"dim: expected an axis from -2 to 1 .*\(6, 6\)"):
+        fn(torch.rand(6, 6), dim=dim)
+
+
+def test_a_mask_smaller_than_the_scores_is_rejected():
+    with pytest.raises(AttnScopeError, match=r"mask: expected at least \(6, 6\) .*\(4, 4\)"):
+        AF.apply_causal_mask(torch.rand(6, 6), AF.causal_mask(4))
+    with pytest.raises(AttnScopeError, match="mask: expected a .*got list"):
+        AF.apply_causal_mask(torch.rand(6, 6), [[True]])
+    bigger = AF.apply_causal_mask(torch.rand(2, 6, 6), AF.causal_mask(9))  # cropped: fine
+    assert torch.isneginf(bigger[0, 0, 1:]).all()
+
+
+def test_context_vectors_with_mismatched_batch_dimensions_is_rejected():
+    message = r"values: expected leading .*\(2, 6, 6\).*\(3, 6, 2\)"
+    with pytest.raises(AttnScopeError, match=message):
+        AF.context_vectors(torch.rand(2, 6, 6), torch.rand(3, 6, 2))
+    assert AF.context_vectors(torch.rand(2, 6, 6), torch.rand(6, 2)).shape == (2, 6, 2)
+
+
+@pytest.mark.parametrize(
+    ("q", "k", "v", "kwargs", "message"),
+    [
+        ("q", torch.rand(6, 2), torch.rand(6, 2), {}, "queries: expected a torch.Tensor, got str"),
+        (torch.rand(2), torch.rand(6, 2), torch.rand(6, 2), {}, r"queries: expected shape"),
+        (torch.ones(6, 2, dtype=torch.long), torch.rand(6, 2), torch.rand(6, 2), {}, "int64"),
+        (torch.rand(6, 2), torch.rand(6, 2).double(), torch.rand(6, 2), {}, "dtype of queries"),
+        (torch.rand(6, 2), torch.rand(6, 3), torch.rand(6, 2), {}, r"keys: expected .*\(6, 3\)"),
+        (torch.rand(2, 6, 2), torch.rand(3, 6, 2), torch.rand(3, 6, 2), {}, "keys: expected"),
+        (torch.rand(6, 2), torch.rand(6, 2), torch.rand(5, 2), {}, r"values: .*\(5, 2\)"),
+        (torch.rand(4, 2), torch.rand(6, 2), torch.rand(6, 2), {"causal": True}, "causal"),
+        (
+            torch.rand(6, 2),
+            torch.rand(6, 2),
+            torch.rand(6, 2),
+            {"causal": True, "mask": AF.causal_mask(4)},
+            r"mask: expected at least \(6, 6\)",
+        ),
+    ],
+)
+def test_attend_rejects_bad_inputs_with_one_clear_error(q, k, v, kwargs, message):
+    with pytest.raises(AttnScopeError, match=message):
+        AF.attend(q, k, v, **kwargs)
+
+
+def test_predicted_shape_of_an_unknown_stage_is_rejected():
+    tr = SelfAttentionV1(3, 2).trace(BOOK)
+    with pytest.raises(AttnScopeError, match="stage: expected one of query, queries, .*'foo'"):
+        tr.predicted_shape("foo")
+
+
+def test_a_bad_batch_index_counts_sequences_not_tokens():
+    tr = SelfAttentionV1(3, 2).trace(torch.stack((BOOK, BOOK)))
+    with pytest.raises(AttnScopeError, match=r"batch index: .*from 0 to 1 .*2 sequences\), got 2"):
+        tr.walk(1, batch=2)
+
+
+def test_demo_seeds_and_labels_are_checked():
+    from attnscope.demo import make_trace, run_demo
+
+    with pytest.raises(AttnScopeError, match=r"seed: expected an integer from -2\*\*63"):
+        run_demo("self", seed=2**64)
+    with pytest.raises(AttnScopeError, match="seed: "):
+        make_trace("self", BOOK, seed=-(2**63) - 1)
+    with pytest.raises(AttnScopeError, match="labels: expected 6 labels"):
+        run_demo("simplified", labels=[1, 2])
+
+
+# --- command line: seeds, negative tokens, folders ------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["demo"], ["trace"], ["plot", "-o", "x.png"], ["check", "a"]])
+def test_cli_seed_beyond_torchs_range_is_a_usage_error(capsys, command):
+    code, out, err = run_cli(capsys, *command, "--seed", "99999999999999999999999")
+    assert_user_error(code, err, "--seed", "2**64 - 1", "99999999999999999999999")
+    assert out == ""
+
+
+@pytest.mark.parametrize("command", ["demo", "trace"])
+def test_cli_negative_token_is_rejected(capsys, command):
+    """The library counts negative positions from the end; --token counts from 0 only, and
+    its messages say so."""
+    code, out, err = run_cli(capsys, command, "--token", "-1")
+    assert_user_error(code, err, "--token", ">= 0", "-1")
+    assert out == ""
+    code, _, err = run_cli(capsys, command, "--token", "6")
+    assert_user_error(code, err, "from 0 to 5 (the input has 6 tokens), got 6")
+
+
+def test_library_token_messages_mention_counting_from_the_end():
+    tr = SelfAttentionV1(3, 2).trace(BOOK)
+    assert tr.walk(-1).token == 5
+    with pytest.raises(AttnScopeError, match=r"from 0 to 5 \(or -6 to -1 counting from the end"):
+        tr.walk(-7)
+
+
+def test_cli_labels_file_that_is_a_folder_says_so(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "demo", "--labels-file", str(tmp_path))
+    assert_user_error(code, err, "a folder")
+    assert "no such file" not in err

@@ -139,6 +139,15 @@ def test_without_matplotlib_matrices_are_tables(monkeypatch):
     assert '<table class="matrix">' in long  # the query and context vectors still are
 
 
+def test_the_walk_is_of_the_token_asked_for(causal_trace):
+    page = trace_html(causal_trace, token=3)
+    assert "Single query: token 3 “with”" in page and "row 3 of the batched context" in page
+    assert "Single query: token 1" in trace_html(causal_trace)
+    assert "Single query" not in trace_html(causal_trace, token=None)
+    with pytest.raises(AttnScopeError, match="token: expected a position from 0 to 5"):
+        trace_html(causal_trace, token=6)
+
+
 def test_single_token_trace_has_no_walk():
     t = a.trace("simplified", torch.rand(1, 2))
     page = trace_html(t)
@@ -163,6 +172,15 @@ def test_check_report_shows_first_failure_side_by_side():
     assert '<tr class="failing"><td><code>masked_scores</code></td>' in page
     assert "the module registers a causal mask buffer" in page
     assert "weights stored (d_in, d_out)" in page
+
+
+def test_check_report_names_the_failure_location_once():
+    report = failing_report()
+    assert "look at <code>my_attention.py:17</code>" in report.to_html()
+    report.first_failure.message += " Look at my_attention.py:17"
+    page = report.to_html()
+    failure = page.split('<section class="failure" id="first-failure">')[1].split("<h3>")[0]
+    assert failure.count("my_attention.py:17") == 1
 
 
 def test_check_report_not_observed_and_passing(tmp_path):

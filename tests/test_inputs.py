@@ -69,6 +69,24 @@ def test_csv_non_numeric_first_column_is_the_token_labels(tmp_path):
     assert torch.allclose(emb.tensor, BOOK)
 
 
+def test_pandas_csv_with_its_index_column_reads_the_index_as_labels(tmp_path):
+    """``DataFrame.to_csv()``: a header whose first cell is empty, then the index."""
+    path = tmp_path / "x.csv"
+    path.write_text(",0,1,2\n0,0.43,0.15,0.89\n1,0.55,0.87,0.66\n")
+    emb = load_embeddings(path)
+    assert emb.labels == ("0", "1") and emb.tensor.shape == (2, 3)
+    assert torch.allclose(emb.tensor[0], BOOK[0])
+    path.write_text(",a,b\ncat,1,2\nsat,3,4\n")  # a named index
+    emb = load_embeddings(path)
+    assert emb.labels == ("cat", "sat") and emb.tensor.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+def test_pt_labels_that_are_not_strings_are_made_text(tmp_path):
+    path = tmp_path / "x.pt"
+    torch.save({"embeddings": BOOK, "labels": [10, 11, 12, 13, 14, 15]}, path)
+    assert load_embeddings(path).labels == ("10", "11", "12", "13", "14", "15")
+
+
 def test_csv_header_line_is_skipped(tmp_path):
     path = tmp_path / "x.csv"
     path.write_text("token,x,y\ncat,1,2\nsat,3,4\n")
@@ -170,7 +188,7 @@ def test_pt_with_code_is_not_run(tmp_path):
         ([1, 2, 3], "expected a tensor"),
         (torch.ones(3, 2, dtype=torch.bool), "real numbers"),
         ({"embeddings": BOOK, "labels": ["a", "b"]}, "expected 6 labels"),
-        ({"embeddings": BOOK, "labels": "abcdef"}, "list of strings"),
+        ({"embeddings": BOOK, "labels": "abcdef"}, "list of labels"),
         ({"embeddings": BOOK, "labels": ["a", "b", "c", "d", "e", ""]}, "non-empty label"),
     ],
 )
@@ -193,6 +211,8 @@ def test_bad_labels_are_rejected(tmp_path):
         parse_labels("cat,,mat")
     with pytest.raises(AttnScopeError, match="no such file"):
         read_labels_file(tmp_path / "missing.txt")
+    with pytest.raises(AttnScopeError, match="expected a labels file, got a folder"):
+        read_labels_file(tmp_path)
     blank = tmp_path / "blank.txt"
     blank.write_text("a\n\nb\n")
     with pytest.raises(AttnScopeError, match="position 1"):

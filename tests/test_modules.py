@@ -53,6 +53,18 @@ def test_v1_from_v2_and_back_compute_the_same_output(inputs):
     assert torch.allclose(back(inputs), v2(inputs), atol=1e-7)
 
 
+def test_conversions_keep_dtype_and_leave_the_global_random_state_alone(inputs):
+    v2 = SelfAttentionV2(3, 2).double()
+    state = torch.random.get_rng_state()
+    v1 = SelfAttentionV1.from_v2(v2)
+    back = SelfAttentionV2.from_v1(v1)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert v1.W_query.dtype == back.W_query.weight.dtype == torch.float64
+    assert torch.equal(back.W_key.weight, v2.W_key.weight)
+    with torch.no_grad():
+        assert torch.allclose(v1(inputs.double()), v2(inputs.double()), atol=1e-12)
+
+
 def test_forward_reads_the_weight_parameters_and_leaves_them_unchanged(inputs):
     torch.manual_seed(123)
     module = MultiHeadAttention(3, 4, 6, 0.0, num_heads=2)
@@ -65,9 +77,11 @@ def test_forward_reads_the_weight_parameters_and_leaves_them_unchanged(inputs):
 def test_attention_weights_change_with_the_input_while_parameters_stay(inputs):
     torch.manual_seed(123)
     module = SelfAttentionV1(3, 2)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
     w1 = module.trace(inputs)["weights"]
     w2 = module.trace(inputs * 2)["weights"]
     assert not torch.allclose(w1, w2)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -14,6 +14,7 @@ from attnscope.render.text import (
     check_text,
     demo_text,
     format_tensor,
+    format_values,
     step_text,
     trace_text,
     use_color,
@@ -108,6 +109,26 @@ def test_check_text_stops_at_the_first_failing_stage_and_names_the_mistake():
     assert "causal" in text and "it has a mask buffer" in text
     assert "probe: 2 sequences of 7 tokens" in text
     assert "FAILED" in text
+
+
+@pytest.mark.parametrize(
+    ("message", "at_lines"),
+    [("scores not scaled. Look at mine.py:12", 0), ("scores not scaled", 1)],
+)
+def test_check_text_names_the_failure_location_once(message, at_lines):
+    checks = [StageCheck(Stage.SCALED_SCORES, False, "not divided", (7, 7), (7, 7))]
+    failure = Failure(Stage.SCALED_SCORES, "missing_scale", message, "mine.py:12")
+    text = check_text(_report(checks, failure), color=False)
+    assert text.count("mine.py:12") == 1
+    assert sum(line.strip().startswith("at ") for line in text.splitlines()) == at_lines
+
+
+def test_format_values_caps_long_vectors():
+    assert format_values(torch.tensor([0.5, 1.0])) == "0.5000 1.0000"
+    long = format_values(torch.arange(128.0))
+    assert long == (
+        "0.0000 1.0000 2.0000 3.0000 ... 124.0000 125.0000 126.0000 127.0000 (128 values)"
+    )
 
 
 def test_check_text_of_a_passing_report_says_ok():

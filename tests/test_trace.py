@@ -52,7 +52,7 @@ def test_trace_output_equals_the_modules_forward(inputs, kind):
     else:
         with torch.no_grad():
             expected = tr.module(inputs)
-    assert torch.allclose(tr.output, expected, atol=1e-6)
+    assert torch.allclose(tr.result, expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -123,3 +123,53 @@ def test_trace_of_v2_records_its_linear_projections(inputs):
     module = SelfAttentionV2(3, 2)
     tr = module.trace(inputs)
     assert torch.allclose(tr["queries"], module.W_query(inputs).detach())
+
+
+def test_result_is_what_the_module_returned(inputs):
+    """``output`` for multi-head (``tr["output"]`` too), ``context`` otherwise (where
+    ``tr["output"]`` is not a stage)."""
+    causal, heads = _traced("causal", inputs), _traced("causal-multihead", inputs)
+    assert causal.result is causal["context"] and heads.result is heads["output"]
+
+
+@pytest.mark.parametrize("kind", ["causal", "causal-multihead"])
+def test_trace_runs_a_module_with_dropout_in_eval_mode_and_restores_its_mode(inputs, kind):
+    torch.manual_seed(0)
+    if kind == "causal":
+        module = CausalAttention(3, 4, 6, dropout=0.5)
+    else:
+        module = MultiHeadAttention(3, 4, 6, 0.5, num_heads=2, use_fast_path=False)
+    module.train()
+    module.dropout.eval()  # a mixed state: each submodule gets its own mode back
+    tr = module.trace(inputs)
+    assert module.training and not module.dropout.training
+    assert module.W_query.training
+    with torch.no_grad():
+        assert torch.allclose(tr.result, module.eval()(inputs), atol=1e-6)
+    module.train()
+    tr = module.trace(inputs)
+    assert module.training and module.dropout.training
+    # weights and context belong to one computation: the walk from weights matches
+    assert all(tr.walk(t).matches for t in range(6))
+    assert torch.allclose(tr["weights"] @ tr["values"], tr["context"], atol=1e-6)
+
+
+def test_walk_allows_for_rounding_on_large_inputs_but_not_for_a_wrong_row():
+    """Scores in the hundreds magnify float32 rounding in the softmax: here (on x86 with
+    the CPU wheel) token 4's context differs from its batched row by more than rtol=1e-5,
+    by rounding alone. The walk still matches its own row, and not another row."""
+    x = torch.randn(7, 107, generator=torch.Generator().manual_seed(58)) * 18
+    torch.manual_seed(123)
+    tr = CausalAttention(107, 2, 7, 0.0).trace(x)
+    walk = tr.walk(4)
+    assert walk.matches and walk.scores_match
+    assert all(tr.walk(t).matches for t in range(7))
+    walk.batched_context = tr["context"][3]
+    assert not walk.matches
+
+
+def test_trace_labels_are_made_text(inputs):
+    tr = attnscope.trace("simplified", inputs, labels=[10, 11, 12, 13, 14, 15])
+    assert tr.labels == ("10", "11", "12", "13", "14", "15")
+    with pytest.raises(AttnScopeError, match="list of labels, got str"):
+        attnscope.trace("simplified", inputs, labels="abcdef")

@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import __version__
-from .errors import AttnScopeError
+from .errors import SEED_MAX, SEED_MIN, AttnScopeError
 from .render import claim_output
+from .stages import MATRIX_STAGES
 
 __all__ = ["main", "build_parser"]
 
-_STAGES_2D = ("weights", "scores", "scaled_scores", "masked_scores")
 _FIGURE_SUFFIXES = (".png", ".svg")
 _WEIGHT_ROLES = ("query", "key", "value", "out")
 
@@ -48,6 +48,19 @@ def _int_at_least(low: int):
         return value
 
     return parse
+
+
+def _seed(text: str) -> int:
+    """A seed ``torch.manual_seed`` accepts: an integer from -2**63 to 2**64 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected a seed from -2**63 to 2**64 - 1 (what torch.manual_seed accepts), got {text}"
+        )
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -87,10 +100,22 @@ def _add_input(p: argparse.ArgumentParser, *, token: bool = True) -> None:
     if token:
         g.add_argument(
             "--token",
-            type=int,
+            type=_int_at_least(0),
             metavar="N",
             help="the query token's position, from 0 (default 1, the book's 'journey')",
         )
+
+
+def _add_module(p: argparse.ArgumentParser) -> None:
+    """--kind, --seed, --d-out and --heads: the reference module that trace and plot build."""
+    from .demo import TRACE_KINDS
+
+    p.add_argument("--kind", choices=TRACE_KINDS, default="self", help="default: self")
+    p.add_argument("--seed", type=_seed, default=123, help="torch.manual_seed (default 123)")
+    p.add_argument("--d-out", type=_int_at_least(1), default=2, metavar="N", help="default 2")
+    p.add_argument(
+        "--heads", type=_int_at_least(1), default=2, metavar="N", help="multi-head only; default 2"
+    )
 
 
 def _add_force(p: argparse.ArgumentParser) -> None:
@@ -98,6 +123,8 @@ def _add_force(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .demo import DEMO_KINDS
+
     parser = _Parser(
         prog="attnscope",
         description="Self-attention for PyTorch that shows its work.",
@@ -115,17 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--kind",
-        choices=("simplified", "self", "causal", "multihead", "all"),
-        help="one part of the walk (default: simplified then self; multihead is causal, as in "
-        "the book)",
+        choices=(*DEMO_KINDS, "all"),
+        help="one part of the walk, or all of them (default: simplified then self; "
+        "causal-multihead is the book's MultiHeadAttention, multihead has no causal mask)",
     )
-    demo.add_argument("--seed", type=int, help="seed for the modules (default: the book's)")
+    demo.add_argument("--seed", type=_seed, help="seed for the modules (default: the book's)")
     _add_input(demo)
     demo.add_argument("--html", metavar="FILE", help="also write an HTML report")
     _add_force(demo)
     demo.set_defaults(func=_cmd_demo)
-
-    from .demo import TRACE_KINDS
 
     tr = sub.add_parser(
         "trace",
@@ -133,12 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Trace a reference module on your embeddings: each stage's predicted shape "
         "with its rule, its actual shape, its values when small, and the single-query walk.",
     )
-    tr.add_argument("--kind", choices=TRACE_KINDS, default="self", help="default: self")
-    tr.add_argument("--seed", type=int, default=123, help="torch.manual_seed (default 123)")
-    tr.add_argument("--d-out", type=_int_at_least(1), default=2, metavar="N", help="default 2")
-    tr.add_argument(
-        "--heads", type=_int_at_least(1), default=2, metavar="N", help="multi-head only; default 2"
-    )
+    _add_module(tr)
     _add_input(tr)
     tr.add_argument("--html", metavar="FILE", help="also write an HTML report")
     _add_force(tr)
@@ -150,14 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Draw a stage as a heatmap (rows are queries, columns keys) or, with "
         "--pipeline, the pipeline figure with this input's real shapes.",
     )
-    plot.add_argument("--kind", choices=TRACE_KINDS, default="self", help="default: self")
-    plot.add_argument("--seed", type=int, default=123, help="torch.manual_seed (default 123)")
-    plot.add_argument("--d-out", type=_int_at_least(1), default=2, metavar="N", help="default 2")
-    plot.add_argument(
-        "--heads", type=_int_at_least(1), default=2, metavar="N", help="multi-head only; default 2"
-    )
+    _add_module(plot)
     _add_input(plot, token=False)
-    plot.add_argument("--stage", choices=_STAGES_2D, help="the stage to draw (default: weights)")
+    plot.add_argument(
+        "--stage",
+        choices=[s.value for s in MATRIX_STAGES],
+        help="the stage to draw (default: weights)",
+    )
     plot.add_argument(
         "--highlight", type=_highlight, metavar="ROW,COL", help="outline one cell, e.g. 1,1"
     )
@@ -183,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="constructor arguments as a JSON object, e.g. '{\"d_in\": 3}'",
     )
-    check.add_argument("--seed", type=int, default=0, help="seed for the probe inputs (default 0)")
+    check.add_argument(
+        "--seed", type=_seed, default=0, help="seed for the probe inputs (default 0)"
+    )
     check.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds")
     check.add_argument(
         "--weights",
@@ -241,14 +262,6 @@ def _load(args):
     return emb.tensor, labels, False
 
 
-def _html_writer():
-    try:
-        from .render.html import trace_html
-    except ImportError as exc:
-        raise AttnScopeError(f"--html: HTML reports are not available here ({exc})") from None
-    return trace_html
-
-
 def _emit(text: str) -> None:
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     sys.stdout.flush()
@@ -258,22 +271,23 @@ def _emit(text: str) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .demo import default_token, run_demo
+    from .render.html import trace_html
     from .render.text import demo_text
 
     html = _claim(args, args.html) if args.html else None
-    trace_html = _html_writer() if html else None
     x, labels, from_book = _load(args)
     if not from_book and x.dim() != 2:
         raise AttnScopeError(
             f"{args.input}: expected (tokens, d_in) for the demo, got shape {tuple(x.shape)}; "
             "use 'attnscope trace' for batches"
         )
+    token = default_token(x.shape[-2], args.token, name="--token", negative=False)
     result = run_demo(
-        args.kind, x=None if from_book else x, labels=labels, token=args.token, seed=args.seed
+        args.kind, x=None if from_book else x, labels=labels, token=token, seed=args.seed
     )
     _emit(demo_text(result))
-    if trace_html is not None:
+    if html is not None:
         checks = [c.as_tuple() for c in result.checks]
         trace_html(
             result.main_trace,
@@ -281,6 +295,7 @@ def _cmd_demo(args) -> int:
             checks=checks,
             title="attnscope demo: predict, then check",
             overwrite=args.force,
+            token=result.token,
         )
         print(f"wrote {html}", file=sys.stderr)
     return 0 if result.ok else 1
@@ -288,18 +303,23 @@ def _cmd_demo(args) -> int:
 
 def _cmd_trace(args) -> int:
     from .demo import default_token, make_trace, trace_checks
+    from .render.html import trace_html
     from .render.text import trace_text
 
     html = _claim(args, args.html) if args.html else None
-    trace_html = _html_writer() if html else None
     x, labels, _ = _load(args)
     tr = make_trace(args.kind, x, labels=labels, seed=args.seed, d_out=args.d_out, heads=args.heads)
-    token = default_token(tr.dims.tokens, args.token)
+    token = default_token(tr.dims.tokens, args.token, name="--token", negative=False)
     checks = [c.as_tuple() for c in trace_checks(tr, token)]
     _emit(trace_text(tr, token=token, checks=checks))
-    if trace_html is not None:
+    if html is not None:
         trace_html(
-            tr, str(html), checks=checks, title=f"attnscope trace: {tr.kind}", overwrite=args.force
+            tr,
+            str(html),
+            checks=checks,
+            title=f"attnscope trace: {tr.kind}",
+            overwrite=args.force,
+            token=token,
         )
         print(f"wrote {html}", file=sys.stderr)
     return 0 if all(ok for _, ok, _ in checks) else 1
@@ -327,12 +347,6 @@ def _cmd_plot(args) -> int:
         )
     if args.kind == "simplified" and stage not in ("scores", "weights"):
         raise AttnScopeError(f"--stage: simplified attention has scores and weights, not {stage}")
-    try:
-        from .render import figures  # noqa: F401  (fails early without matplotlib)
-    except ImportError as exc:
-        raise AttnScopeError(
-            f"plot: figures need matplotlib (pip install 'attnscope[plot]'): {exc}"
-        ) from None
     x, labels, _ = _load(args)
     tr = make_trace(args.kind, x, labels=labels, seed=args.seed, d_out=args.d_out, heads=args.heads)
     if args.highlight is not None:
@@ -344,22 +358,11 @@ def _cmd_plot(args) -> int:
                 f"got {row},{col}"
             )
     if args.pipeline:
-        fig = tr.pipeline_figure(path=str(out), overwrite=args.force)
+        tr.pipeline_figure(path=str(out), overwrite=args.force)
     else:
-        fig = tr.plot(stage=stage, path=str(out), highlight=args.highlight, overwrite=args.force)
-    _close(fig)
+        tr.plot(stage=stage, path=str(out), highlight=args.highlight, overwrite=args.force)
     print(f"wrote {out}")
     return 0
-
-
-def _close(fig) -> None:
-    """Free a pyplot-managed figure (a plain ``Figure`` needs nothing)."""
-    try:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
-    except Exception:  # closing is best effort: the file is already written
-        pass
 
 
 def _parse_init(text: str | None) -> dict | None:
@@ -398,20 +401,13 @@ def _parse_weights(text: str | None) -> dict[str, str] | None:
 
 
 def _cmd_check(args) -> int:
+    from rich.console import Console
+
+    from .checking import check
+
     html = _claim(args, args.html) if args.html else None
     init = _parse_init(args.init)
     weights = _parse_weights(args.weights)
-    check_html = None
-    if html is not None:
-        try:
-            from .render.html import check_html
-        except ImportError as exc:
-            raise AttnScopeError(f"--html: HTML reports are not available here ({exc})") from None
-    try:
-        from .checking import check
-    except ImportError as exc:
-        raise AttnScopeError(f"check: the checker is not available here ({exc})") from None
-    from rich.console import Console
 
     # progress on a terminal only; piped output and --json stay clean
     with Console(stderr=True).status(f"checking {args.target} ..."):
@@ -425,9 +421,8 @@ def _cmd_check(args) -> int:
             tokens=args.tokens,
         )
     _emit(report.to_json() if args.json else report.to_text())
-    if check_html is not None:
-        # check_html rather than report.to_html(path): only it takes overwrite (--force).
-        check_html(report, str(html), overwrite=args.force)
+    if html is not None:
+        report.to_html(str(html), overwrite=args.force)
         print(f"wrote {html}", file=sys.stderr)
     return 0 if report.ok else 1
 

@@ -3,15 +3,17 @@
 :func:`run_demo` follows the seeds: pick a query, score it against every token (a loop and
 ``torch.dot`` agree), normalise the scores (by the sum, by a naive and a stable softmax),
 then do the same with trainable weights (``SelfAttentionV1``), one query alone and then all
-at once; causal masking and multi-head attention on request. Every step says what to
-predict, records the predicted and actual shapes, the tensors to show, and the checks that
-the seeds name. With the defaults it reproduces the book's printed numbers.
+at once; causal masking and multi-head attention (without and with the causal mask) on
+request. Every step says what to predict, records the predicted and actual shapes, the
+tensors to show, and the checks that the seeds name. With the defaults it reproduces the
+book's printed numbers.
 
 :func:`make_trace` and :func:`trace_checks` serve ``attnscope trace`` and ``plot``.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,9 +22,16 @@ import torch
 from torch import nn
 
 from . import functional as AF
-from .errors import AttnScopeError, check_embeddings, check_token_index, describe
+from .errors import (
+    AttnScopeError,
+    check_embeddings,
+    check_labels,
+    check_seed,
+    check_token_index,
+)
 from .examples import BOOK_TOKENS, TOY_TOKENS, book_embeddings, toy_scores
 from .modules import CausalAttention, MultiHeadAttention, SelfAttentionV1, SelfAttentionV2
+from .render.text import format_values
 from .trace import Trace, trace
 
 __all__ = [
@@ -40,12 +49,17 @@ __all__ = [
     "trace_checks",
 ]
 
-#: The demo's parts, in the order it walks them (``None`` walks simplified then self).
-DEMO_KINDS = ("simplified", "self", "causal", "multihead")
+#: The demo's parts, in the order ``"all"`` walks them (``None`` walks simplified then self).
+#: As everywhere in attnscope, ``multihead`` has no causal mask and ``causal-multihead``
+#: is the book's (causal) ``MultiHeadAttention``.
+DEMO_KINDS = ("simplified", "self", "causal", "multihead", "causal-multihead")
 #: What ``attnscope trace`` and ``plot`` can build.
 TRACE_KINDS = ("simplified", "self", "causal", "multihead", "causal-multihead")
 #: The seeds the book uses: V1, causal and multi-head with 123, V2 with 789.
-BOOK_SEEDS = {"self": 123, "v2": 789, "causal": 123, "multihead": 123}
+BOOK_SEEDS = {"self": 123, "v2": 789, "causal": 123, "multihead": 123, "causal-multihead": 123}
+#: Scores further than this below their row's largest get a softmax weight that may
+#: underflow float32 to exactly 0 (exp(-80) is about 1.8e-35; exp(-104) is 0).
+_EXP_RANGE = 80.0
 
 # The book's printed numbers (4 decimals), shown beside ours when the demo runs the book's
 # example; the per-token ones are for the book's query, token 1 ("journey").
@@ -166,18 +180,30 @@ def _seeded(seed: int):
         yield
 
 
-def _fmt(t: torch.Tensor) -> str:
-    return " ".join(f"{v:.4f}" for v in t.flatten().tolist())
-
-
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def _agree(name: str, a: torch.Tensor, b: torch.Tensor, what: str, atol: float = 1e-6) -> Check:
-    ok = a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=1e-5, atol=atol)
+def _agree(
+    name: str, a: torch.Tensor, b: torch.Tensor, what: str, atol: float | torch.Tensor = 1e-6
+) -> Check:
+    """``a`` equals ``b`` to ``rtol=1e-5`` and ``atol`` (a number, or one per entry)."""
+    ok = a.shape == b.shape and bool(
+        ((a.double() - b.double()).abs() <= atol + 1e-5 * b.double().abs()).all()
+    )
     diff = f"max |difference| {_maxdiff(a, b):.1e}" if a.shape == b.shape else "shapes differ"
     return Check(name, ok, f"{what}: {diff}")
+
+
+def _dot_rounding(rows: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """How far two ways of summing ``rows @ vector`` may differ by rounding alone.
+
+    Summing ``n`` products in any order is within ``n * eps`` (to first order) times the
+    sum of their absolute values of the exact sum, so two orders are within twice that.
+    """
+    eps = torch.finfo(rows.dtype).eps
+    n = rows.shape[-1]
+    return 2 * n * eps / (1 - n * eps) * (rows.abs() @ vector.abs()).double() + 1e-6
 
 
 def _book(name: str, actual: torch.Tensor) -> Check:
@@ -185,26 +211,49 @@ def _book(name: str, actual: torch.Tensor) -> Check:
     got = actual.detach().double().flatten()
     # The book prints 4 decimals: agree to the rounding.
     ok = got.shape == expected.shape and bool((got - expected).abs().max() <= 6e-5)
-    detail = f"book {_fmt(expected)}" + ("" if ok else f"; got {_fmt(got)}")
+    detail = f"book {format_values(expected)}" + ("" if ok else f"; got {format_values(got)}")
     return Check(f"matches the book: {name}", ok, detail)
 
 
-def _rows_are_distributions(weights: torch.Tensor, causal: bool = False) -> Check:
-    """Weights positive (zero exactly on masked keys when causal) and each row sums to 1."""
+def _rows_are_distributions(
+    weights: torch.Tensor, logits: torch.Tensor | None = None, causal: bool = False
+) -> Check:
+    """Weights positive (zero exactly on masked keys when causal) and each row sums to 1.
+
+    ``logits`` are what the softmax was given: a weight whose logit is more than
+    :data:`_EXP_RANGE` below its row's largest may underflow float32 to exactly 0, so it
+    must only be >= 0. Without ``logits`` every weight must be positive.
+    """
     w = weights.double()
     sums_ok = torch.allclose(w.sum(-1), torch.ones_like(w.sum(-1)), atol=1e-5)
+    if logits is None:
+        representable = torch.ones_like(w, dtype=torch.bool)
+    else:
+        representable = logits > logits.max(-1, keepdim=True).values - _EXP_RANGE
+    sign_ok = bool((w >= 0).all() and (w[representable] > 0).all())
     if causal:
-        t = w.shape[-1]
-        above = AF.causal_mask(t)
-        sign_ok = bool((w[..., above] == 0).all() and (w[..., ~above] > 0).all())
+        above = AF.causal_mask(w.shape[-1])
+        sign_ok = sign_ok and bool((w[..., above] == 0).all())
         name = "weights are zero above the diagonal, positive elsewhere, and each row sums to 1"
     else:
-        sign_ok = bool((w > 0).all())
         name = "weights are positive and each row sums to 1"
     worst = (w.sum(-1) - 1).abs().max().item()
-    return Check(
-        name, sums_ok and sign_ok, f"min weight {w.min().item():.4f}; max |row sum - 1| {worst:.1e}"
-    )
+    detail = f"min weight {w.min().item():.4f}; max |row sum - 1| {worst:.1e}"
+    underflow = 0 if logits is None else int((~representable & torch.isfinite(logits)).sum())
+    if underflow:
+        detail += (
+            f"; {underflow} scores more than {_EXP_RANGE:g} below their row's largest may "
+            "get weight exactly 0 (exp underflows float32)"
+        )
+    return Check(name, sums_ok and sign_ok, detail)
+
+
+def _logits(tr: Trace) -> torch.Tensor:
+    """What the trace's softmax was given: masked, else scaled, else raw scores."""
+    for name in ("masked_scores", "scaled_scores", "scores"):
+        if name in tr:
+            return tr[name]
+    raise AssertionError("every trace has scores")
 
 
 def _output_shape(out: torch.Tensor, tokens: int, d_out: int) -> Check:
@@ -221,8 +270,9 @@ def _walk_check(tr: Trace, token: int) -> Check:
     return Check(
         "the single-token context vector equals its row of the batched output",
         walk.matches,
-        f"token {token} ({walk.label!r}) alone: {_fmt(walk.context)}; batched row {token}: "
-        f"{_fmt(walk.batched_context)}; max |difference| {walk.max_abs_diff:.1e}",
+        f"token {token} ({walk.label!r}) alone: {format_values(walk.context)}; "
+        f"batched row {token}: {format_values(walk.batched_context)}; "
+        f"max |difference| {walk.max_abs_diff:.1e}",
     )
 
 
@@ -242,11 +292,16 @@ def _show(name: str, t: torch.Tensor, tr: Trace, square: bool = False) -> Shown:
     return Shown(name, t, tr.labels, tr.labels if square else None)
 
 
-def default_token(tokens: int, token: int | None) -> int:
-    """``token`` checked against ``tokens``; by default the seed's second token (1), or 0."""
+def default_token(
+    tokens: int, token: int | None, *, name: str = "token", negative: bool = True
+) -> int:
+    """``token`` checked against ``tokens``; by default the seed's second token (1), or 0.
+
+    Negative positions count from the end unless ``negative=False`` (the CLI's ``--token``).
+    """
     if token is None:
         return 1 if tokens > 1 else 0
-    return check_token_index(token, tokens, name="--token")
+    return check_token_index(token, tokens, name=name, negative=negative)
 
 
 # --- the parts of the walk ----------------------------------------------------------------
@@ -264,8 +319,20 @@ def _simplified(x: torch.Tensor, labels: tuple[str, ...], t: int, book: bool):
     )
     steps = []
     checks = [
-        _agree("the loop and torch.dot agree", loop, dot, "multiply-and-sum vs torch.dot"),
-        _agree("the vectorised inputs @ query agrees", loop, vec, "loop vs inputs @ query"),
+        _agree(
+            "the loop and torch.dot agree",
+            loop,
+            dot,
+            "multiply-and-sum vs torch.dot",
+            _dot_rounding(x, query),
+        ),
+        _agree(
+            "the vectorised inputs @ query agrees",
+            loop,
+            vec,
+            "loop vs inputs @ query",
+            _dot_rounding(x, query),
+        ),
     ]
     if book and t == _BOOK_TOKEN:
         checks.append(_book("simplified scores", dot))
@@ -283,15 +350,23 @@ def _simplified(x: torch.Tensor, labels: tuple[str, ...], t: int, book: bool):
 
     by_sum = AF.normalize_sum(dot)
     naive, stable = AF.softmax_naive(dot, dim=0), AF.softmax(dot, dim=0)
-    checks = [
-        _agree(
+    largest = dot.abs().max().item()
+    if largest <= _EXP_RANGE:
+        agree = _agree(
             "the naive and the stable softmax agree on small scores",
             naive,
             stable,
             "exp(s)/sum(exp(s)) vs torch.softmax",
-        ),
-        _rows_are_distributions(stable),
-    ]
+        )
+    else:  # not a failure: exp(s) itself leaves float32's range; the next step shows it
+        agree = Check(
+            "the naive and the stable softmax agree on small scores",
+            True,
+            f"skipped: these scores are not small (largest |score| {largest:.4g} > "
+            f"{_EXP_RANGE:g}, where exp(s) over- or underflows float32); the next step "
+            "shows what the naive softmax does then",
+        )
+    checks = [agree, _rows_are_distributions(stable, dot)]
     if book and t == _BOOK_TOKEN:
         checks += [_book("simplified sum", by_sum), _book("simplified softmax", stable)]
     steps.append(
@@ -310,7 +385,10 @@ def _simplified(x: torch.Tensor, labels: tuple[str, ...], t: int, book: bool):
     naive_big, stable_big = AF.softmax_naive(big, dim=0), AF.softmax(big, dim=0)
     overflow = not bool(torch.isfinite(naive_big).all())
     finite = bool(torch.isfinite(stable_big).all())
-    same = torch.allclose(stable_big, stable, atol=1e-5)
+    # dot + 1000 is rounded to float32, which moves each score by up to half a unit in the
+    # last place of the largest: the weights may move by that much, and no more.
+    rounding = torch.finfo(big.dtype).eps * big.abs().max().item()
+    same = torch.allclose(stable_big, stable, atol=max(1e-5, 2 * rounding))
     steps.append(
         Step(
             "simplified",
@@ -352,7 +430,7 @@ def _simplified(x: torch.Tensor, labels: tuple[str, ...], t: int, book: bool):
     )
 
     checks = [
-        _rows_are_distributions(tr["weights"]),
+        _rows_are_distributions(tr["weights"], tr["scores"]),
         _output_shape(tr["context"], tr.dims.tokens, tr.dims.d_in),
         _walk_check(tr, t),
     ]
@@ -423,12 +501,13 @@ def _self(x, labels, t, book, seed):
             own.reshape(1),
             walk.scores[t].reshape(1),
             f"torch.dot(query, keys[{t}]) vs entry {t} of query @ keys.T",
+            _dot_rounding(keys[t : t + 1], walk.query),
         ),
-        _agree(
+        Check(  # the query is projected alone here, with the others there: up to rounding
             "the query's row of the full score matrix equals its scores",
-            walk.scores,
-            tr["scores"][t],
-            f"query @ keys.T vs row {t} of queries @ keys.T",
+            walk.scores_match,
+            f"query @ keys.T vs row {t} of queries @ keys.T: max |difference| "
+            f"{_maxdiff(walk.scores, tr['scores'][t]):.1e}",
         ),
     ]
     if book_t:
@@ -445,7 +524,7 @@ def _self(x, labels, t, book, seed):
         )
     )
 
-    checks = [_rows_are_distributions(tr["weights"])]
+    checks = [_rows_are_distributions(tr["weights"], _logits(tr))]
     if book_t:
         checks.append(_book("weights", walk.weights))
     steps.append(
@@ -476,7 +555,7 @@ def _self(x, labels, t, book, seed):
         )
     )
 
-    out = tr.output
+    out = tr.result
     checks = [_output_shape(out, tr.dims.tokens, d_out), _walk_check(tr, t)]
     if book:
         checks.append(_book("first row", out[0]))
@@ -498,13 +577,16 @@ def _self(x, labels, t, book, seed):
         v2 = SelfAttentionV2(d_in, d_out)
     with torch.no_grad():
         out2 = v2(x)
-        carried = SelfAttentionV1.from_v2(v2)(x)
+        # In float64: float32 rounds x @ W.T and x @ W differently, and large scores
+        # magnify that in the softmax; the claim is that the two compute the same thing.
+        v2_64 = copy.deepcopy(v2).double()
+        carried, out2_64 = SelfAttentionV1.from_v2(v2_64)(x.double()), v2_64(x.double())
     checks = [
         _agree(
             "V1 carrying V2's weights (transposed) gives the same output",
             carried,
-            out2,
-            "SelfAttentionV1.from_v2(v2)(x) vs v2(x)",
+            out2_64,
+            "SelfAttentionV1.from_v2(v2)(x) vs v2(x), in float64",
         )
     ]
     if book:
@@ -540,29 +622,41 @@ def _parameters_step(module: nn.Module, before: dict, x, labels, t) -> Step:
         if not changed
         else f"changed: {', '.join(changed)}",
     )
-    other = 2 * x  # the same tokens, every embedding doubled
+    other = _other_input(module, x)
     w1 = module.trace(x, labels=labels).walk(t).weights
     w2 = module.trace(other, labels=labels).walk(t).weights
-    shown = [Shown("weights(x)", w1, None, labels), Shown("weights(2x)", w2, None, labels)]
+    shown = [Shown("weights(x)", w1, None, labels), Shown("weights(other)", w2, None, labels)]
     checks = [params]
     if x.shape[-2] > 1:  # one token always gets weight 1, whatever the input
         checks.append(
             Check(
                 "the attention weights change with the input",
                 not torch.allclose(w1, w2, atol=1e-6),
-                f"token {t}'s weights for x and for 2x: max |difference| {_maxdiff(w1, w2):.4f}",
+                f"token {t}'s weights for x and for another input: max |difference| "
+                f"{_maxdiff(w1, w2):.4f}",
             )
         )
     return Step(
         "self",
         "Weight parameters vs attention weights",
         "Predict: forward only reads W_query, W_key, W_value (training changes them), while "
-        "the attention weights are computed afresh for every input: doubling the "
-        "embeddings changes them.",
+        "the attention weights are computed afresh for every input: another input (random "
+        "tokens, scaled so that their scores stay small) gets other weights.",
         [],
         shown,
         checks,
     )
+
+
+def _other_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Random tokens shaped like ``x`` whose scaled scores stay within [-1, 1] for ``module``.
+
+    Scaling ``x`` itself would not do: when its weights are one-hot (large scores), they
+    stay one-hot at 2x or 0.5x. Small scores keep these weights well away from one-hot.
+    """
+    other = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
+    largest = module.trace(other)["scaled_scores"].abs().max().item()
+    return other / largest**0.5 if largest > 1 else other  # scores are quadratic in x
 
 
 def _causal(x, labels, t, book, seed):
@@ -603,11 +697,11 @@ def _causal(x, labels, t, book, seed):
             "can only attend to itself (weight 1).",
             _shapes(tr, ("weights",)),
             [_show("weights", tr["weights"], tr, square=True)],
-            [_rows_are_distributions(tr["weights"], causal=True)],
+            [_rows_are_distributions(tr["weights"], masked, causal=True)],
         )
     )
 
-    out = tr.output
+    out = tr.result
     checks = [_output_shape(out, tokens, d_out), _walk_check(tr, t)]
     if tokens > 1:
         q = t if t < tokens - 1 else 0  # a query with future tokens to change
@@ -672,21 +766,25 @@ def _causal(x, labels, t, book, seed):
     return steps, tr
 
 
-def _multihead(x, labels, t, book, seed):
-    """The book's causal MultiHeadAttention on ``x`` ``(T, d_in)``: d_out=2, 2 heads."""
+def _multihead(x, labels, t, book, seed, causal=False):
+    """MultiHeadAttention on ``x`` ``(T, d_in)``: d_out=2, 2 heads; ``causal`` is the book's."""
     d_in, d_out, heads, tokens = x.shape[-1], 2, 2, x.shape[-2]
-    s = BOOK_SEEDS["multihead"] if seed is None else seed
+    part = "causal-multihead" if causal else "multihead"
+    s = BOOK_SEEDS[part] if seed is None else seed
     with _seeded(s):
-        mha = MultiHeadAttention(d_in, d_out, tokens, 0.0, num_heads=heads)
+        mha = MultiHeadAttention(d_in, d_out, tokens, 0.0, num_heads=heads, causal=causal)
     mha.eval()
     tr = mha.trace(x, labels=labels)
     head_dim = d_out // heads
+    which = "causal as in the book" if causal else "no mask: every token sees every token"
+    book = book and causal  # the book prints the causal one's numbers
     steps = [
         Step(
-            "multihead",
+            part,
             "Split d_out into heads",
             f"torch.manual_seed({s}); MultiHeadAttention(d_in={d_in}, d_out={d_out}, "
-            f"context_length={tokens}, dropout=0.0, num_heads={heads}), causal as in the book. "
+            f"context_length={tokens}, dropout=0.0, num_heads={heads}"
+            f"{'' if causal else ', causal=False'}), {which}. "
             f"Predict: {heads} heads of head_dim = {d_out} // {heads} = {head_dim}: queries, keys "
             f"and values become ({heads}, {tokens}, {head_dim}).",
             _shapes(tr, ("queries", "keys", "values")),
@@ -695,12 +793,13 @@ def _multihead(x, labels, t, book, seed):
         )
     ]
     walk = tr.walk(t)
+    mask_text = ", future keys masked" if causal else ""
     steps.append(
         Step(
-            "multihead",
+            part,
             "Each head attends on its own",
             f"Predict: per head a tokens x tokens matrix: ({heads}, {tokens}, {tokens}), "
-            "each head's rows summing to 1, scaled by sqrt(head_dim).",
+            f"each head's rows summing to 1, scaled by sqrt(head_dim){mask_text}.",
             _shapes(tr, ("scores", "scaled_scores", "masked_scores", "weights")),
             [
                 Shown(
@@ -710,32 +809,32 @@ def _multihead(x, labels, t, book, seed):
                     labels,
                 )
             ],
-            [_rows_are_distributions(tr["weights"], causal=mha.causal)],
+            [_rows_are_distributions(tr["weights"], _logits(tr), causal=causal)],
         )
     )
     with torch.no_grad():
         fast = mha(x)  # use_fast_path: scaled_dot_product_attention
     checks = [
-        _output_shape(tr.output, tokens, d_out),
+        _output_shape(tr.result, tokens, d_out),
         _walk_check(tr, t),
         _agree(
             "the fast path (scaled_dot_product_attention) equals the explicit stages",
             fast,
-            tr.output,
+            tr.result,
             "fused vs explicit output",
             atol=1e-5,
         ),
     ]
     if book:
-        checks.append(_book("multihead first row", tr.output[0]))
+        checks.append(_book("multihead first row", tr.result[0]))
     steps.append(
         Step(
-            "multihead",
+            part,
             "Merge the heads and project: out_proj",
             f"Predict: contexts ({heads}, {tokens}, {head_dim}) concatenate back to "
             f"({tokens}, {d_out}), then out_proj mixes the heads.",
             _shapes(tr, ("context", "output")),
-            [_show("output", tr.output, tr)],
+            [_show("output", tr.result, tr)],
             checks,
         )
     )
@@ -753,11 +852,14 @@ def run_demo(
     """Walk the pipeline, predict then check, and return every step.
 
     Args:
-        kind: ``"simplified"``, ``"self"``, ``"causal"`` or ``"multihead"`` for one part,
-            ``"all"`` for all four, ``None`` for simplified then self (the seeds' walk).
+        kind: one of :data:`DEMO_KINDS` for one part (``"multihead"`` without the causal
+            mask, ``"causal-multihead"`` the book's), ``"all"`` for all of them in that
+            order, ``None`` for simplified then self (the seeds' walk).
         x: ``(tokens, d_in)`` embeddings; the book's six by default.
-        labels: one per token; the book's words for the book's embeddings.
-        token: the query position (default 1, the book's "journey", or 0 for one token).
+        labels: one per token (made text with ``str``); the book's words for the book's
+            embeddings.
+        token: the query position (default 1, the book's "journey", or 0 for one token);
+            negative positions count from the end.
         seed: the seed for every module; by default the book's (123, and 789 for V2).
 
     Returns:
@@ -773,17 +875,16 @@ def run_demo(
         raise AttnScopeError(
             f"kind: expected one of {', '.join(DEMO_KINDS)} or 'all', got {kind!r}"
         )
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise AttnScopeError(f"seed: expected an integer, got {describe(seed)}")
+    if seed is not None:
+        check_seed(seed)
     book = x is None and seed is None
     if x is None:
         x = book_embeddings()
         labels = BOOK_TOKENS if labels is None else labels
     x = check_embeddings(x, name="inputs", ranks=(2,)).float()
     tokens = x.shape[0]
-    labels = tuple(str(i) for i in range(tokens)) if labels is None else tuple(labels)
-    if len(labels) != tokens:
-        raise AttnScopeError(f"labels: expected {tokens} labels (one per token), got {len(labels)}")
+    labels = tuple(str(i) for i in range(tokens)) if labels is None else labels
+    labels = check_labels(labels, tokens)
     t = default_token(tokens, token)
 
     steps: list[Step] = []
@@ -792,10 +893,12 @@ def run_demo(
         for part in parts:
             if part == "simplified":
                 new, tr = _simplified(x, labels, t, book)
+            elif part == "self":
+                new, tr = _self(x, labels, t, book, seed)
+            elif part == "causal":
+                new, tr = _causal(x, labels, t, book, seed)
             else:
-                new, tr = {"self": _self, "causal": _causal, "multihead": _multihead}[part](
-                    x, labels, t, book, seed
-                )
+                new, tr = _multihead(x, labels, t, book, seed, causal=part == "causal-multihead")
             steps += new
             traces[part] = tr
     return DemoResult(steps, traces, t, book)
@@ -824,6 +927,7 @@ def make_trace(
     """
     if kind not in TRACE_KINDS:
         raise AttnScopeError(f"kind: expected one of {', '.join(TRACE_KINDS)}, got {kind!r}")
+    check_seed(seed)
     x = check_embeddings(x, name="inputs")
     if kind == "simplified":
         return trace("simplified", x, labels=labels)
@@ -852,7 +956,7 @@ def trace_checks(tr: Trace, token: int) -> list[Check]:
             if not bad
             else f"differs: {', '.join(str(c.stage) for c in bad)}",
         ),
-        _rows_are_distributions(tr["weights"], causal="masked_scores" in tr),
+        _rows_are_distributions(tr["weights"], _logits(tr), causal="masked_scores" in tr),
         _walk_check(tr, token),
     ]
     return checks

@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["AttnScopeError", "check_embeddings", "check_tensor", "check_token_index", "describe"]
+__all__ = [
+    "AttnScopeError",
+    "SEED_MIN",
+    "SEED_MAX",
+    "check_embeddings",
+    "check_labels",
+    "check_seed",
+    "check_tensor",
+    "check_token_index",
+    "describe",
+]
+
+#: The seeds ``torch.manual_seed`` accepts (inclusive): a wider one raises inside torch.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class AttnScopeError(ValueError):
@@ -91,13 +104,61 @@ def _all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x).all())
 
 
-def check_token_index(index: object, tokens: int, *, name: str = "query token") -> int:
-    """Validate a token position in ``[-tokens, tokens)`` and return it as a non-negative int."""
+def check_token_index(
+    index: object,
+    tokens: int,
+    *,
+    name: str = "query token",
+    noun: str = "tokens",
+    negative: bool = True,
+) -> int:
+    """Validate a position in ``[-tokens, tokens)`` and return it as a non-negative int.
+
+    Negative positions count from the end, as in Python (``-1`` is the last), unless
+    ``negative=False`` (the CLI's options count from 0 only). ``noun`` names what is
+    counted in the message: ``tokens``, or ``sequences`` for a batch index.
+    """
     if isinstance(index, bool) or not isinstance(index, int):
         raise AttnScopeError(f"{name}: expected an integer position, got {describe(index)}")
-    if not -tokens <= index < tokens:
+    low = -tokens if negative else 0
+    if not low <= index < tokens:
+        from_end = f"or -{tokens} to -1 counting from the end; " if negative else ""
         raise AttnScopeError(
-            f"{name}: expected a position from 0 to {tokens - 1} "
-            f"(the input has {tokens} tokens), got {index}"
+            f"{name}: expected a position from 0 to {tokens - 1} ({from_end}the input has "
+            f"{tokens} {noun}), got {index}"
         )
     return index % tokens
+
+
+def check_labels(labels: object, tokens: int | None, *, name: str = "labels") -> tuple[str, ...]:
+    """Validate token labels and return them as a tuple of strings.
+
+    Expected: a list or tuple (or a 1-D tensor or array) with one non-empty label per
+    token; each label is turned into text with ``str`` (so ``[1, 2, 3]`` is fine).
+    ``tokens=None`` skips the count (labels read before the embeddings).
+    """
+    if hasattr(labels, "tolist") and not isinstance(labels, (str, bytes)):
+        labels = labels.tolist()  # a tensor or array of labels: its numbers, not its repr
+    if isinstance(labels, (str, bytes)) or not isinstance(labels, (list, tuple)):
+        raise AttnScopeError(f"{name}: expected a list of labels, got {describe(labels)}")
+    if not labels:
+        raise AttnScopeError(f"{name}: expected one label per token, got none")
+    text = tuple(str(label) for label in labels)
+    for i, label in enumerate(text):
+        if not label.strip():
+            raise AttnScopeError(f"{name}: expected a non-empty label at position {i}, got ''")
+    if tokens is not None and len(text) != tokens:
+        raise AttnScopeError(f"{name}: expected {tokens} labels (one per token), got {len(text)}")
+    return text
+
+
+def check_seed(seed: object, *, name: str = "seed") -> int:
+    """Validate a seed for ``torch.manual_seed``: an integer from -2**63 to 2**64 - 1."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise AttnScopeError(f"{name}: expected an integer, got {describe(seed)}")
+    if not SEED_MIN <= seed <= SEED_MAX:
+        raise AttnScopeError(
+            f"{name}: expected an integer from -2**63 to 2**64 - 1 (what torch.manual_seed "
+            f"accepts), got {seed}"
+        )
+    return seed

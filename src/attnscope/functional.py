@@ -49,6 +49,17 @@ def _one_query(inputs: object, query: object) -> tuple[torch.Tensor, torch.Tenso
     return inputs, query
 
 
+def _check_dim(dim: object, scores: torch.Tensor) -> int:
+    """``dim`` as an axis of ``scores`` (negative counts from the end), or one clear error."""
+    r = scores.dim()
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -r <= dim < r:
+        raise AttnScopeError(
+            f"dim: expected an axis from {-r} to {r - 1} of scores with shape "
+            f"{tuple(scores.shape)}, got {describe(dim)}"
+        )
+    return dim
+
+
 def query_scores_loop(inputs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """Scores of one query against every token, with a hand-written multiply-and-sum.
 
@@ -132,6 +143,7 @@ def normalize_sum(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
         dim: the axis that must sum to 1.
     """
     scores = check_tensor(scores, name="scores", ranks=(1, 2, 3, 4))
+    dim = _check_dim(dim, scores)
     return scores / scores.sum(dim=dim, keepdim=True)
 
 
@@ -147,6 +159,7 @@ def softmax_naive(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
         dim: the axis that must sum to 1.
     """
     scores = check_tensor(scores, name="scores", ranks=(1, 2, 3, 4), finite=False)
+    dim = _check_dim(dim, scores)
     exp = torch.exp(scores)
     return exp / exp.sum(dim=dim, keepdim=True)
 
@@ -161,7 +174,7 @@ def softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
         dim: the axis that must sum to 1 (the keys: ``-1``).
     """
     scores = check_tensor(scores, name="scores", ranks=(1, 2, 3, 4), finite=False)
-    return torch.softmax(scores, dim=dim)
+    return torch.softmax(scores, dim=_check_dim(dim, scores))
 
 
 def scale_scores(scores: torch.Tensor, d_k: int) -> torch.Tensor:
@@ -196,7 +209,9 @@ def apply_causal_mask(scores: torch.Tensor, mask: torch.Tensor | None = None) ->
 
     Args:
         scores: ``(..., T, T)``.
-        mask: ``(T, T)`` bool, ``True`` where hidden; :func:`causal_mask` when omitted.
+        mask: ``(T, T)`` bool (or 0/1), ``True`` where hidden; a larger mask (a module's
+            ``context_length`` buffer) is cropped to its top-left ``(T, T)``;
+            :func:`causal_mask` when omitted.
     """
     scores = check_tensor(scores, name="scores", ranks=(2, 3, 4), finite=False)
     t_q, t_k = scores.shape[-2:]
@@ -204,9 +219,24 @@ def apply_causal_mask(scores: torch.Tensor, mask: torch.Tensor | None = None) ->
         if t_q != t_k:
             raise AttnScopeError(f"scores: expected a square (T, T) matrix, got {describe(scores)}")
         mask = causal_mask(t_q, device=scores.device)
-    elif mask.shape[-2:] != (t_q, t_k):
-        mask = mask[..., :t_q, :t_k]
+    else:
+        _check_mask(mask, t_q, t_k, scores)
+        if mask.shape[-2:] != (t_q, t_k):
+            mask = mask[..., :t_q, :t_k]
     return scores.masked_fill(mask.bool(), -torch.inf)
+
+
+def _check_mask(mask: object, t_q: int, t_k: int, scores: torch.Tensor) -> None:
+    """A mask covering ``(t_q, t_k)`` scores, or one clear error."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2:
+        raise AttnScopeError(
+            f"mask: expected a (T, T) tensor, True where hidden, got {describe(mask)}"
+        )
+    if mask.shape[-2] < t_q or mask.shape[-1] < t_k:
+        raise AttnScopeError(
+            f"mask: expected at least ({t_q}, {t_k}) to cover scores {tuple(scores.shape)}, "
+            f"got {describe(mask)}"
+        )
 
 
 def context_vectors(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -226,6 +256,13 @@ def context_vectors(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor
             f"values: expected {weights.shape[-1]} rows to match weights "
             f"{tuple(weights.shape)}, got {describe(values)}"
         )
+    try:
+        torch.broadcast_shapes(weights.shape[:-2], values.shape[:-2])
+    except RuntimeError:
+        raise AttnScopeError(
+            f"values: expected leading (batch, head) dimensions that match weights "
+            f"{tuple(weights.shape)}, got {describe(values)}"
+        ) from None
     return weights @ values
 
 
@@ -253,6 +290,54 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, t, h * hd)
 
 
+def _check_attend(
+    queries: object, keys: object, values: object, causal: bool, mask: object
+) -> None:
+    """Types, ranks, dtypes and shapes of :func:`attend`'s inputs: O(1), no value scans."""
+    for name, t in (("queries", queries), ("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor):
+            raise AttnScopeError(f"{name}: expected a torch.Tensor, got {describe(t)}")
+        if not 2 <= t.dim() <= 4:
+            raise AttnScopeError(
+                f"{name}: expected shape (T, d), (B, T, d) or (B, H, T, d), got {describe(t)}"
+            )
+        if not t.is_floating_point():
+            raise AttnScopeError(f"{name}: expected a floating-point tensor, got {describe(t)}")
+    assert isinstance(queries, torch.Tensor)  # for type checkers; checked above
+    assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
+    if keys.dtype != queries.dtype or values.dtype != queries.dtype:
+        raise AttnScopeError(
+            f"keys, values: expected the dtype of queries {describe(queries)}, got "
+            f"{describe(keys)} and {describe(values)}"
+        )
+    if keys.shape[:-2] != queries.shape[:-2] or keys.shape[-1] != queries.shape[-1]:
+        raise AttnScopeError(
+            f"keys: expected the leading and feature dimensions of queries "
+            f"{tuple(queries.shape)}, got {describe(keys)}"
+        )
+    if values.shape[:-1] != keys.shape[:-1]:
+        raise AttnScopeError(
+            f"values: expected one row per key, leading dimensions and tokens of keys "
+            f"{tuple(keys.shape)}, got {describe(values)}"
+        )
+    if causal:
+        t_q, t_k = queries.shape[-2], keys.shape[-2]
+        if t_q != t_k:
+            raise AttnScopeError(
+                f"keys: expected as many tokens as queries {tuple(queries.shape)} for causal "
+                f"attention, got {describe(keys)}"
+            )
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+                raise AttnScopeError(
+                    f"mask: expected a (T, T) tensor, True where hidden, got {describe(mask)}"
+                )
+            if mask.shape[0] < t_k or mask.shape[1] < t_k:
+                raise AttnScopeError(
+                    f"mask: expected at least ({t_k}, {t_k}) for {t_k} tokens, got {describe(mask)}"
+                )
+
+
 def attend(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -278,7 +363,11 @@ def attend(
 
     Returns:
         ``(..., T, d_v)`` context vectors.
+
+    The inputs' types, ranks, dtypes and shapes are checked (cheaply: no pass over the
+    values), so a mismatch is one :class:`AttnScopeError` rather than a matmul error.
     """
+    _check_attend(queries, keys, values, causal, mask)
     scores = queries @ keys.transpose(-2, -1)
     hide = None
     if causal:

@@ -8,7 +8,13 @@ Supported files (one row per token):
 - ``.npy``: an array of numbers, read with ``allow_pickle=False``.
 - ``.csv``: comma-separated numbers, one token per line. A first column that is not numeric
   on every line is the token labels; a first line whose number columns are not numbers is
-  a header and is skipped. Lines starting with ``#`` and blank lines are ignored.
+  a header and is skipped. A first line whose first cell is empty (pandas' ``to_csv()``
+  with its index: ``,0,1,2``) is a header too, and the first column (the index) is the
+  labels. Lines starting with ``#`` and blank lines are ignored.
+
+  A header of numbers cannot be told from a token: pandas' ``to_csv(index=False)`` of a
+  frame with the default column names writes ``0,1,2`` first, which is read as one more
+  token. Write such files with ``header=False`` (or delete that line).
 
 Everything is returned as float32 (the modules' dtype); every problem is one
 :class:`~attnscope.AttnScopeError` that names the file.
@@ -24,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import AttnScopeError, describe
+from .errors import AttnScopeError, check_labels, describe
 
 __all__ = ["Embeddings", "load_embeddings", "parse_labels", "read_labels_file", "resolve_labels"]
 
@@ -79,7 +85,7 @@ def load_embeddings(path: str | Path, *, ranks: tuple[int, ...] = (2, 3)) -> Emb
         )
     tensor = _validate(data, path, ranks)
     if labels is not None:
-        labels = _check_labels(labels, tensor.shape[-2], f"{path} labels")
+        labels = check_labels(labels, tensor.shape[-2], name=f"{path} labels")
     return Embeddings(tensor, labels, path)
 
 
@@ -147,12 +153,16 @@ def _read_csv(path: Path) -> tuple[list[list[float]], list[str] | None]:
     if not rows:
         raise AttnScopeError(f"{path}: expected at least one token (a line of numbers), got none")
 
-    # Labels: a first column that is non-numeric on every data line (the header included).
-    has_labels = all(not _is_number(fields[0]) for _, fields in rows)
+    if rows[0][1][0] == "" and len(rows) > 1:
+        # pandas' to_csv() with its index: ",0,1,2" names the columns, the index labels rows.
+        rows, has_labels = rows[1:], True
+    else:
+        # Labels: a first column that is non-numeric on every line (the header included).
+        has_labels = all(not _is_number(fields[0]) for _, fields in rows)
+        first_values = rows[0][1][1 if has_labels else 0 :]
+        if first_values and not any(_is_number(f) for f in first_values) and len(rows) > 1:
+            rows = rows[1:]  # a header line: column names, not numbers
     start = 1 if has_labels else 0
-    first_values = rows[0][1][start:]
-    if first_values and not any(_is_number(f) for f in first_values) and len(rows) > 1:
-        rows = rows[1:]  # a header line: column names, not numbers
 
     width = len(rows[0][1])
     values: list[list[float]] = []
@@ -226,38 +236,23 @@ def _validate(data: object, path: Path, ranks: tuple[int, ...]) -> torch.Tensor:
 
 def parse_labels(text: str) -> tuple[str, ...]:
     """Labels from ``"a,b,c"`` (the CLI's ``--labels``); surrounding spaces are dropped."""
-    return _check_labels([part.strip() for part in text.split(",")], None, "--labels")
+    return check_labels([part.strip() for part in text.split(",")], None, name="--labels")
 
 
 def read_labels_file(path: str | Path) -> tuple[str, ...]:
     """Labels from a text file, one per line (trailing blank lines are ignored)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise AttnScopeError(f"{path}: expected a labels file, got no such file")
+    if not path.is_file():
+        raise AttnScopeError(f"{path}: expected a labels file, got a folder")
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError:
         raise AttnScopeError(f"{path}: expected a UTF-8 text file, got binary") from None
     while lines and not lines[-1].strip():
         lines.pop()
-    return _check_labels([line.strip() for line in lines], None, str(path))
-
-
-def _check_labels(labels: object, tokens: int | None, where: str) -> tuple[str, ...]:
-    if isinstance(labels, str) or not isinstance(labels, (list, tuple)):
-        raise AttnScopeError(f"{where}: expected a list of strings, got {describe(labels)}")
-    if not labels:
-        raise AttnScopeError(f"{where}: expected one label per token, got none")
-    for i, label in enumerate(labels):
-        if not isinstance(label, str):
-            raise AttnScopeError(f"{where}: expected strings, got {describe(label)} at {i}")
-        if not label.strip():
-            raise AttnScopeError(f"{where}: expected a non-empty label at position {i}, got ''")
-    if tokens is not None and len(labels) != tokens:
-        raise AttnScopeError(
-            f"{where}: expected {tokens} labels (one per token), got {len(labels)}"
-        )
-    return tuple(labels)
+    return check_labels([line.strip() for line in lines], None, name=str(path))
 
 
 def resolve_labels(
@@ -269,7 +264,7 @@ def resolve_labels(
     """
     for labels, where in ((given, "--labels"), (from_file, "embeddings file labels")):
         if labels is not None:
-            return _check_labels(list(labels), tokens, where)
+            return check_labels(labels, tokens, name=where)
     if default is not None and len(default) == tokens:
         return tuple(default)
     return tuple(str(i) for i in range(tokens))

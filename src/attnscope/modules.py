@@ -106,12 +106,13 @@ class SelfAttentionV1(_Traceable):
                 "v2: expected a SelfAttentionV2 built with qkv_bias=False (V1 has no biases), "
                 "got one with biases"
             )
-        v1 = cls.__new__(cls)
-        nn.Module.__init__(v1)
-        v1.d_in, v1.d_out = v2.d_in, v2.d_out
-        for name in ("W_query", "W_key", "W_value"):
-            weight = getattr(v2, name).weight.detach().T.clone()
-            setattr(v1, name, nn.Parameter(weight))
+        with torch.random.fork_rng(devices=[]):  # the random start is overwritten below
+            v1 = cls(v2.d_in, v2.d_out)
+        like = v2.W_query.weight
+        v1 = v1.to(device=like.device, dtype=like.dtype)
+        with torch.no_grad():
+            for name in ("W_query", "W_key", "W_value"):
+                getattr(v1, name).copy_(getattr(v2, name).weight.T)
         return v1
 
 
@@ -141,7 +142,9 @@ class SelfAttentionV2(_Traceable):
         """A V2 (without biases) that computes exactly what ``v1`` computes."""
         if not isinstance(v1, SelfAttentionV1):
             raise AttnScopeError(f"v1: expected a SelfAttentionV1, got {describe(v1)}")
-        v2 = cls(v1.d_in, v1.d_out, qkv_bias=False)
+        with torch.random.fork_rng(devices=[]):  # the random start is overwritten below
+            v2 = cls(v1.d_in, v1.d_out, qkv_bias=False)
+        v2 = v2.to(device=v1.W_query.device, dtype=v1.W_query.dtype)
         with torch.no_grad():
             for name in ("W_query", "W_key", "W_value"):
                 getattr(v2, name).weight.copy_(getattr(v1, name).T)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Stage", "Dims", "KINDS", "stages_for_kind"]
+__all__ = ["Stage", "Dims", "KINDS", "MATRIX_STAGES", "stages_for_kind"]
 
 #: Kinds of attention, from the weightless scores of one query to causal multi-head.
 KINDS = ("scores", "simplified", "self", "causal", "multihead", "causal-multihead")
@@ -53,6 +53,9 @@ class Stage(str, Enum):
         """The shape this stage must have for inputs and sizes ``dims``."""
         return dims.shape_of(self)
 
+
+#: The ``(T, T)`` stages, one row per query and one column per key (what a heatmap shows).
+MATRIX_STAGES = (Stage.SCORES, Stage.SCALED_SCORES, Stage.MASKED_SCORES, Stage.WEIGHTS)
 
 _RULES = {
     Stage.QUERY: "one vector: the query token's row, with d_k features",

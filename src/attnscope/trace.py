@@ -12,13 +12,14 @@ True
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from . import functional as AF
-from .errors import AttnScopeError, check_embeddings, check_token_index, describe
+from .errors import AttnScopeError, check_embeddings, check_labels, check_token_index, describe
 from .stages import Dims, Stage, stages_for_kind
 
 __all__ = ["Trace", "QueryWalk", "ShapeCheck", "trace"]
@@ -51,6 +52,11 @@ class QueryWalk:
             (``scaled_scores``/``masked_scores`` are ``None`` where the kind has none).
         context: ``(d_v,)`` computed from this query alone.
         batched_context: the same row taken from the batched computation.
+        rounding: how far floating-point rounding alone may move ``context`` from
+            ``batched_context`` (per head for multi-head): the two sum their products in
+            different orders, and the softmax magnifies the scores' rounding.
+        scores_match: whether this query's logits (what the softmax was given) equal row
+            ``token`` of the batched ones, up to rounding.
     """
 
     token: int
@@ -62,6 +68,8 @@ class QueryWalk:
     weights: torch.Tensor
     context: torch.Tensor
     batched_context: torch.Tensor
+    rounding: torch.Tensor | float = 0.0
+    scores_match: bool = True
 
     @property
     def max_abs_diff(self) -> float:
@@ -69,8 +77,12 @@ class QueryWalk:
 
     @property
     def matches(self) -> bool:
-        """Whether the single-query context equals its row of the batched computation."""
-        return torch.allclose(self.context, self.batched_context, rtol=1e-5, atol=1e-6)
+        """Whether the single-query computation equals its row of the batched one: the
+        logits up to rounding, and the context to ``rtol=1e-5, atol=1e-6`` beyond what
+        rounding alone explains (:attr:`rounding`)."""
+        diff = (self.context - self.batched_context).abs()
+        allowed = 1e-6 + 1e-5 * self.batched_context.abs() + self.rounding
+        return self.scores_match and bool((diff <= allowed).all())
 
 
 @dataclass
@@ -113,13 +125,23 @@ class Trace:
         return iter(self.stages)
 
     @property
-    def output(self) -> torch.Tensor:
-        """What the module returned: ``output`` for multi-head, else ``context``."""
+    def result(self) -> torch.Tensor:
+        """What the module returned: the ``output`` stage for multi-head, else ``context``.
+
+        (``trace["output"]`` is only there for multi-head traces; this is there for all.)
+        """
         return self.stages.get(Stage.OUTPUT.value, self.stages[Stage.CONTEXT.value])
 
     def predicted_shape(self, stage: str | Stage) -> tuple[int, ...]:
         """The shape the stage's rule predicts for this input."""
-        return self.dims.shape_of(Stage(stage))
+        if not isinstance(stage, Stage):
+            names = [s.value for s in Stage]
+            if stage not in names:
+                raise AttnScopeError(
+                    f"stage: expected one of {', '.join(names)}, got {describe(stage)}"
+                )
+            stage = Stage(stage)
+        return self.dims.shape_of(stage)
 
     def shape_checks(self) -> list[ShapeCheck]:
         """Predicted against actual shape for every stage, in order."""
@@ -139,7 +161,7 @@ class Trace:
         if self.dims.batch is None and batch != 0:
             raise AttnScopeError(f"batch: expected 0 for an unbatched trace, got {batch}")
         if self.dims.batch is not None:
-            batch = check_token_index(batch, self.dims.batch, name="batch index")
+            batch = check_token_index(batch, self.dims.batch, name="batch index", noun="sequences")
         key = (t, batch)
         if key not in self._walks:
             self._walks[key] = _walk(self, t, batch)
@@ -174,15 +196,6 @@ class Trace:
         return trace_text(self, color=False)  # str() is plain text wherever it is printed
 
 
-def _labels(labels: Sequence[str] | None, tokens: int) -> tuple[str, ...]:
-    if labels is None:
-        return tuple(str(i) for i in range(tokens))
-    labels = tuple(str(label) for label in labels)
-    if len(labels) != tokens:
-        raise AttnScopeError(f"labels: expected {tokens} labels (one per token), got {len(labels)}")
-    return labels
-
-
 def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None = None) -> Trace:
     """Run ``target`` on ``x`` through its explicit path and record every stage.
 
@@ -190,12 +203,17 @@ def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None
         target: an attnscope module (:class:`SelfAttentionV1`, ``V2``, :class:`CausalAttention`,
             :class:`MultiHeadAttention`) or the string ``"simplified"`` for weightless attention.
         x: ``(T, d_in)`` or ``(B, T, d_in)`` embeddings.
-        labels: one label per token, for reports and pictures.
+        labels: one label per token, for reports and pictures (each made text with ``str``).
+
+    A module runs in eval mode while it is traced, so dropout is off and every recorded
+    stage belongs to one computation (``weights`` is what ``context`` was made from); each
+    submodule's train/eval mode is restored afterwards.
     """
     from .modules import _Traceable
 
     record: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
+    modes = {m: m.training for m in target.modules()} if isinstance(target, nn.Module) else {}
+    with torch.no_grad(), _eval_mode(modes):
         if isinstance(target, str):
             if target != "simplified":
                 raise AttnScopeError(
@@ -223,7 +241,20 @@ def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None
     )
     order = [s.value for s in stages_for_kind(kind) if s.value in record]
     stages = {name: record[name] for name in order}
-    return Trace(kind, x, stages, dims, _labels(labels, dims.tokens), module)
+    labels = tuple(str(i) for i in range(dims.tokens)) if labels is None else labels
+    return Trace(kind, x, stages, dims, check_labels(labels, dims.tokens), module)
+
+
+@contextmanager
+def _eval_mode(modes: dict[nn.Module, bool]):
+    """Every module in ``modes`` in eval mode inside; its own mode restored after."""
+    for module in modes:
+        module.training = False
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 def _project_one(module: nn.Module, name: str, token: torch.Tensor) -> torch.Tensor:
@@ -248,15 +279,71 @@ def _walk(tr: Trace, t: int, b: int) -> QueryWalk:
             scores = AF.query_scores(keys, query)
         else:
             scores = torch.stack([AF.query_scores(keys[h], query[h]) for h in range(heads)])
+        # One query is a (1, T) row of the score matrix: the batched stages' own functions.
         scaled = masked = None
-        logits = scores
+        logits = scores.unsqueeze(-2)
         if "scaled_scores" in tr:
-            scaled = logits = scores / keys.shape[-1] ** 0.5
+            logits = AF.scale_scores(logits, keys.shape[-1])
+            scaled = logits.squeeze(-2)
         if "masked_scores" in tr:
-            masked = logits = scaled.clone()
-            masked[..., t + 1 :] = -torch.inf
-        weights = torch.softmax(logits, dim=-1)
-        context = weights.unsqueeze(-2) @ values
-        context = context.squeeze(-2)
+            hide = AF.causal_mask(tr.dims.tokens, device=logits.device)[t : t + 1]
+            logits = AF.apply_causal_mask(logits, hide)
+            masked = logits.squeeze(-2)
+        weights = AF.softmax(logits, dim=-1)
+        context = AF.context_vectors(weights, values).squeeze(-2)
+        weights = weights.squeeze(-2)
         batched = row("context")[..., t, :]
-    return QueryWalk(t, tr.labels[t], query, scores, scaled, masked, weights, context, batched)
+        last = next(s for s in ("masked_scores", "scaled_scores", "scores") if s in tr)
+        scores_ok, bound = _rounding(
+            tr, x[t], query, keys, values, logits.squeeze(-2), row(last)[..., t, :]
+        )
+    return QueryWalk(
+        t, tr.labels[t], query, scores, scaled, masked, weights, context, batched, bound, scores_ok
+    )
+
+
+def _rounding(
+    tr: Trace,
+    token: torch.Tensor,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    logits: torch.Tensor,
+    batched_logits: torch.Tensor,
+) -> tuple[bool, torch.Tensor]:
+    """Whether the walk's logits equal the batch's up to rounding, and how far rounding
+    alone may then move the context: ``(scores_ok, bound)``, ``bound`` ``(1,)`` or ``(H, 1)``.
+
+    Summing ``n`` products in any order is within ``gamma(n) = n*eps / (1 - n*eps)`` times
+    the sum of their absolute values of the exact sum; the query is projected (walk: alone,
+    batch: with the others) and then scored, so the two logits may differ by that much
+    twice over. A softmax whose inputs differ by at most ``delta`` gives weights within a
+    factor ``exp(2 delta)`` of each other, so the contexts differ by at most
+    ``expm1(2 delta) * max|value|`` (plus the rounding of the softmax and the weighted sum).
+    ``delta`` is the difference actually seen: the softmax magnifies a logit's rounding by
+    the logit's size, which a bound from the inputs alone would overstate by far.
+    """
+    eps = torch.finfo(query.dtype).eps
+
+    def gamma(n: int) -> float:
+        return n * eps / max(1 - n * eps, 1e-3)
+
+    visible = torch.isfinite(batched_logits)
+    if not torch.equal(visible, torch.isfinite(logits)):
+        return False, torch.zeros(1)  # the walk hides other keys than the batch
+    d_k = keys.shape[-1]
+    q_abs, err = query.abs(), 2 * gamma(d_k)
+    if tr.module is not None:  # projected twice: |x| @ |W| (+ |bias|) bounds the query
+        w = tr.module.W_query
+        weight, bias = (w, None) if isinstance(w, nn.Parameter) else (w.weight.T, w.bias)
+        projected = token.abs() @ weight.abs() + (0 if bias is None else bias.abs())
+        q_abs, err = projected.view(query.shape), err + 2 * gamma(token.shape[-1] + 1)
+    size = (keys.abs() @ q_abs.unsqueeze(-1)).squeeze(-1)  # (T,) or (H, T)
+    if "scaled_scores" in tr:
+        size, err = size / d_k**0.5, err + 2 * eps
+    zero = torch.zeros_like(logits)
+    diff = torch.where(visible, (logits - batched_logits).abs(), zero)
+    scores_ok = bool((diff <= err * size + 1e-6).all())
+    delta = diff.amax(-1, keepdim=True)  # (1,) or (H, 1)
+    v_max = values.abs().amax((-2, -1)).reshape(delta.shape)
+    return scores_ok, (torch.expm1(2 * delta) + gamma(4 * keys.shape[-2] + 8)) * v_max

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import AttnScopeError, check_token_index, describe
-from ..stages import Stage
+from ..stages import MATRIX_STAGES, Stage
 from . import claim_output, write_output
 
 if TYPE_CHECKING:
@@ -41,8 +41,7 @@ __all__ = [
     "figure_bytes",
 ]
 
-#: The stages a heatmap can show: the ``(T, T)`` matrices, one row per query.
-MATRIX_STAGES = (Stage.SCORES, Stage.SCALED_SCORES, Stage.MASKED_SCORES, Stage.WEIGHTS)
+# MATRIX_STAGES (from attnscope.stages): the stages a heatmap can show, the (T, T) matrices.
 #: Write values in the cells up to this many tokens (beyond, the digits would not fit).
 ANNOTATE_MAX = 12
 #: Resolution of written PNGs: sharp on high-density screens, still small files.
@@ -372,7 +371,7 @@ def _select(trace: Trace, tensor: torch.Tensor, batch: int) -> torch.Tensor:
         if batch != 0:
             raise AttnScopeError(f"batch: expected 0 for an unbatched trace, got {describe(batch)}")
     else:
-        tensor = tensor[check_token_index(batch, trace.dims.batch, name="batch")]
+        tensor = tensor[check_token_index(batch, trace.dims.batch, name="batch", noun="sequences")]
     return tensor.detach().to("cpu", torch.float64)
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..errors import AttnScopeError
+from ..errors import AttnScopeError, check_token_index
 from ..stages import Stage
 from . import write_output
 from .figures import (
@@ -342,11 +342,9 @@ def _per_key_table(w: QueryWalk, labels: Sequence[str]) -> str:
     )
 
 
-def _walk(trace: Trace) -> str:
-    """The seed's single-query computation for token 1, step by step."""
-    if trace.dims.tokens < 2:
-        return ""
-    w = trace.walk(1)
+def _walk(trace: Trace, token: int) -> str:
+    """The seed's single-query computation for ``token``, step by step."""
+    w = trace.walk(token)
     t = trace.dims.tokens
     keys_table = f'<p class="note">{t} keys: too many to list; see the heatmaps.</p>'
     if t <= LIST_MAX:
@@ -354,15 +352,15 @@ def _walk(trace: Trace) -> str:
     width = w.context.shape[-1]
     vectors = [
         *_rows(w.context, "context of this query alone", width),
-        *_rows(w.batched_context, "row 1 of the batched context", width),
+        *_rows(w.batched_context, f"row {w.token} of the batched context", width),
     ]
     query = _rows(w.query, "query", w.query.shape[-1])
     return "".join(
         [
-            f"<h2>Single query: token 1 “{escape(w.label)}”</h2>",
+            f"<h2>Single query: token {w.token} “{escape(w.label)}”</h2>",
             '<p class="meta">The query is projected from this token alone, scored against '
             "every key, normalised, and used to weight the values; its context must equal "
-            "row 1 of the batched context.</p>",
+            f"row {w.token} of the batched context.</p>",
             _matrix_table(
                 np.stack([v for _, v in query]), rows=[n for n, _ in query], group="plain"
             ),
@@ -373,7 +371,7 @@ def _walk(trace: Trace) -> str:
                 np.stack([v for _, v in vectors]), rows=[n for n, _ in vectors], group="plain"
             ),
             f"<p>{_verdict(w.matches)}: the single-query context "
-            f"{'matches' if w.matches else 'does not match'} row 1 of the batched context "
+            f"{'matches' if w.matches else 'does not match'} row {w.token} of the batched context "
             f"(largest difference {w.max_abs_diff:.1e}).</p>",
         ]
     )
@@ -387,18 +385,21 @@ def trace_html(
     title: str | None = None,
     overwrite: bool = False,
     full_page: bool | None = None,
+    token: int | None = 1,
 ) -> str:
     """A self-contained HTML report of a trace.
 
     Shows the stages table (stage, rule, predicted and actual shape, pass/fail), the
     optional ``checks``, the pipeline figure, a heatmap of every ``(T, T)`` stage and the
-    single-query walk for token 1.
+    single-query walk for ``token``.
 
     Args:
         trace: a :class:`~attnscope.Trace`.
         path: write the page there (refusing to replace a file unless ``overwrite``).
         checks: ``(name, ok, detail)`` rows to show above the stages, e.g. the demo's.
         title: the page title (default names the module and kind).
+        token: the query of the single-query walk (default 1, the seed's second token; a
+            one-token trace has none, so then the walk is left out); ``None`` leaves it out.
         full_page: a whole ``<!doctype html>`` page (default: when ``path`` is given) or a
             ``<div>`` fragment for notebooks.
 
@@ -406,6 +407,10 @@ def trace_html(
         the HTML text.
     """
     refuse_existing(path, overwrite)
+    if token == 1 and trace.dims.tokens < 2:
+        token = None  # the default query does not exist: no walk
+    if token is not None:
+        token = check_token_index(token, trace.dims.tokens, name="token")
     if full_page is None:
         full_page = path is not None
     title = title or f"attnscope trace: {trace_name(trace)}"
@@ -432,7 +437,9 @@ def trace_html(
         )
         fig = pipeline_figure(trace)
         body += ["<h2>Pipeline</h2>", _figure(fig, "the attention pipeline", "pipeline", caption)]
-    body += ["<h2>Heatmaps</h2>", _heatmaps(trace, figures), _walk(trace)]
+    body += ["<h2>Heatmaps</h2>", _heatmaps(trace, figures)]
+    if token is not None:
+        body.append(_walk(trace, token))
     return _finish(_page("\n".join(body), title, full_page), path, overwrite)
 
 
@@ -593,7 +600,7 @@ def check_html(
             f'<p class="meta">mistake <code>{escape(failure.mistake)}</code>{meaning}</p>',
             f'<p class="message">{escape(failure.message)}</p>',
         ]
-        if location:
+        if location and location not in failure.message:  # else the message names it
             body.append(f'<p class="meta">look at <code>{escape(location)}</code></p>')
         if failing is not None:
             body.append(_side_by_side(failing, _figures_available()))

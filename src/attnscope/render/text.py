@@ -20,15 +20,27 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..stages import MATRIX_STAGES
+
 if TYPE_CHECKING:
     from ..checking.report import CheckReport
     from ..demo import DemoResult, Step
     from ..trace import Trace
 
-__all__ = ["use_color", "format_tensor", "trace_text", "check_text", "demo_text", "step_text"]
+__all__ = [
+    "use_color",
+    "format_tensor",
+    "format_values",
+    "trace_text",
+    "check_text",
+    "demo_text",
+    "step_text",
+]
 
 #: Tensors with more entries than this are summarised instead of printed.
 MAX_VALUES = 144
+#: :func:`format_values` shows this many values at each end of a longer vector.
+EDGE_VALUES = 4
 _LABEL_WIDTH = 10
 
 
@@ -97,6 +109,20 @@ def _label(text: str) -> str:
 
 def _num(v: float) -> str:
     return f"{v:.4f}"
+
+
+def format_values(t: torch.Tensor, *, edge: int = EDGE_VALUES) -> str:
+    """Values to 4 decimals on one line; a long one shows its first and last ``edge``.
+
+    ``0.1000 0.2000 ... 0.9000 1.0000 (128 values)``: for one-line messages, where a
+    vector of any length must stay readable.
+    """
+    values = t.detach().flatten().tolist()
+    if len(values) <= 2 * edge + 1:
+        return " ".join(_num(v) for v in values)
+    head = " ".join(_num(v) for v in values[:edge])
+    tail = " ".join(_num(v) for v in values[-edge:])
+    return f"{head} ... {tail} ({len(values)} values)"
 
 
 def format_tensor(
@@ -205,7 +231,7 @@ def trace_text(
     out.print(table)
     for name, tensor in trace.stages.items():
         shown, where = _slice_for_display(trace, tensor)
-        square = name in ("scores", "scaled_scores", "masked_scores", "weights")
+        square = name in {s.value for s in MATRIX_STAGES}
         text = format_tensor(
             shown, trace.labels, trace.labels if square else None, max_values=max_values
         )
@@ -283,7 +309,7 @@ def check_text(report: CheckReport, color: bool | None = None) -> str:
             (failure.mistake, "bold"),
         )
         out.line("  ", failure.message)
-        if failure.location:
+        if failure.location and failure.location not in failure.message:
             out.line("  at ", (failure.location, "cyan"))
     out.line()
     out.line(
@@ -325,7 +351,8 @@ _PART_TITLES = {
     "simplified": "Simplified attention: no trainable weights",
     "self": "Self-attention with trainable weights: SelfAttentionV1",
     "causal": "Causal attention: no peeking at later tokens",
-    "multihead": "Multi-head attention",
+    "multihead": "Multi-head attention (causal=False: every token sees every token)",
+    "causal-multihead": "Causal multi-head attention: the book's MultiHeadAttention",
 }
 
 
