@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Op", "SdpaCall", "Recorder"]
+__all__ = ["Op", "SdpaCall", "Recorder", "short_path"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(__file__))
@@ -54,7 +54,7 @@ class SdpaCall:
     location: str | None
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
     """A path relative to the working directory when it lies below it."""
     try:
         rel = os.path.relpath(path)
@@ -69,7 +69,7 @@ def _user_location() -> str | None:
     while frame is not None:
         path = frame.f_code.co_filename
         if not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR) or path.startswith("<")):
-            return f"{_short(path)}:{frame.f_lineno}"
+            return f"{short_path(path)}:{frame.f_lineno}"
         if path.startswith("<") and not path.startswith("<frozen"):
             return f"{path}:{frame.f_lineno}"
         frame = frame.f_back

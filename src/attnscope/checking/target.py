@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import AttnScopeError, describe
 from ..stages import KINDS
 from .binding import HEAD_ATTRS
+from .record import short_path
 
 __all__ = ["Target", "load", "SIZES", "call_safely"]
 
@@ -169,11 +170,11 @@ def _exc_line(exc: BaseException) -> str:
     """``ValueError: message (at file.py:12)``, the innermost frame of the user's code."""
     where = ""
     if isinstance(exc, SyntaxError) and exc.filename:
-        return f"SyntaxError: {exc.msg} (at {exc.filename}:{exc.lineno})"
+        return f"SyntaxError: {exc.msg} (at {short_path(exc.filename)}:{exc.lineno})"
     tb = traceback.extract_tb(exc.__traceback__)
     user = [f for f in tb if "/torch/" not in f.filename and "/attnscope/" not in f.filename]
     if user:
-        where = f" (at {user[-1].filename}:{user[-1].lineno})"
+        where = f" (at {short_path(user[-1].filename)}:{user[-1].lineno})"
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {msg}{where}"
 
