@@ -32,7 +32,7 @@ from .errors import (
 from .examples import BOOK_TOKENS, TOY_TOKENS, book_embeddings, toy_scores
 from .modules import CausalAttention, MultiHeadAttention, SelfAttentionV1, SelfAttentionV2
 from .render.text import format_values
-from .trace import Trace, trace
+from .trace import ShapeCheck, Trace, trace
 
 __all__ = [
     "BOOK_SEEDS",
@@ -40,7 +40,6 @@ __all__ = [
     "TRACE_KINDS",
     "Check",
     "DemoResult",
-    "Shape",
     "Shown",
     "Step",
     "default_token",
@@ -95,20 +94,6 @@ class Check:
 
 
 @dataclass(frozen=True)
-class Shape:
-    """A tensor's predicted shape (with the rule that predicts it) beside its actual shape."""
-
-    name: str
-    predicted: tuple[int, ...]
-    actual: tuple[int, ...]
-    rule: str
-
-    @property
-    def ok(self) -> bool:
-        return self.predicted == self.actual
-
-
-@dataclass(frozen=True)
 class Shown:
     """A tensor to print, with optional row and column labels."""
 
@@ -125,7 +110,7 @@ class Step:
     part: str
     title: str
     predict: str
-    shapes: list[Shape] = field(default_factory=list)
+    shapes: list[ShapeCheck] = field(default_factory=list)
     shown: list[Shown] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
 
@@ -276,12 +261,8 @@ def _walk_check(tr: Trace, token: int) -> Check:
     )
 
 
-def _shapes(tr: Trace, names: Sequence[str]) -> list[Shape]:
-    return [
-        Shape(c.stage.value, c.predicted, c.actual, c.rule)
-        for c in tr.shape_checks()
-        if c.stage.value in names
-    ]
+def _shapes(tr: Trace, names: Sequence[str]) -> list[ShapeCheck]:
+    return [c for c in tr.shape_checks() if c.name in names]
 
 
 def _show(name: str, t: torch.Tensor, tr: Trace, square: bool = False) -> Shown:
@@ -342,7 +323,7 @@ def _simplified(x: torch.Tensor, labels: tuple[str, ...], t: int, book: bool):
             f"One query against every token: {name!r} is the query",
             f"The query is token {t} (Python counts from 0). Predict: one score per token, "
             f"{len(labels)} numbers, largest where a token points the same way as the query.",
-            [Shape("scores", (len(labels),), tuple(dot.shape), "one score per input token")],
+            [ShapeCheck("scores", (len(labels),), tuple(dot.shape), "one score per input token")],
             [Shown("query", query), Shown("scores", dot, None, labels)],
             checks,
         )
@@ -375,7 +356,11 @@ def _simplified(x: torch.Tensor, labels: tuple[str, ...], t: int, book: bool):
             "Scores into weights",
             "Predict: dividing by the sum keeps the scores' proportions; softmax makes every "
             "weight positive and leans harder on the largest score. Both sum to 1.",
-            [Shape("weights", tuple(dot.shape), tuple(stable.shape), "same shape as the scores")],
+            [
+                ShapeCheck(
+                    "weights", tuple(dot.shape), tuple(stable.shape), "same shape as the scores"
+                )
+            ],
             [Shown("divided by sum", by_sum, None, labels), Shown("softmax", stable, None, labels)],
             checks,
         )
@@ -466,7 +451,7 @@ def _self(x, labels, t, book, seed):
             f"trainable matrices of shape d_in x d_out = ({d_in}, {d_out}), random until "
             "training settles them.",
             [
-                Shape(n, (d_in, d_out), tuple(getattr(v1, n).shape), "d_in x d_out")
+                ShapeCheck(n, (d_in, d_out), tuple(getattr(v1, n).shape), "d_in x d_out")
                 for n in ("W_query", "W_key", "W_value")
             ],
             [Shown("W_query", v1.W_query.detach())],
@@ -518,7 +503,11 @@ def _self(x, labels, t, book, seed):
             "Scores of this query: query @ keys.T",
             f"Predict: one raw score per key ({len(labels)}); key {t} is keys[{t}], not "
             f"keys[{t + 1}].",
-            [Shape("scores (one query)", (len(labels),), tuple(walk.scores.shape), "one per key")],
+            [
+                ShapeCheck(
+                    "scores (one query)", (len(labels),), tuple(walk.scores.shape), "one per key"
+                )
+            ],
             [Shown("scores", walk.scores, None, labels)],
             checks,
         )
@@ -534,7 +523,7 @@ def _self(x, labels, t, book, seed):
             "Predict: positive weights that sum to 1, one per key; the ordering of the scores "
             "is kept.",
             [
-                Shape(
+                ShapeCheck(
                     "weights (one query)", (len(labels),), tuple(walk.weights.shape), "one per key"
                 )
             ],
@@ -549,7 +538,11 @@ def _self(x, labels, t, book, seed):
             "self",
             "Context vector of this query: weights @ values",
             f"Predict: {d_out} numbers, a weighted mix of the value rows.",
-            [Shape("context (one query)", (d_out,), tuple(walk.context.shape), "d_out numbers")],
+            [
+                ShapeCheck(
+                    "context (one query)", (d_out,), tuple(walk.context.shape), "d_out numbers"
+                )
+            ],
             [Shown("context", walk.context)],
             checks,
         )
@@ -600,8 +593,8 @@ def _self(x, labels, t, book, seed):
             "Predict: the same shapes, other numbers (nn.Linear starts from other random "
             f"values and stores its weight transposed, ({d_out}, {d_in})).",
             [
-                Shape("output", (len(labels), d_out), tuple(out2.shape), "one row per token"),
-                Shape(
+                ShapeCheck("output", (len(labels), d_out), tuple(out2.shape), "one row per token"),
+                ShapeCheck(
                     "W_query.weight", (d_out, d_in), tuple(v2.W_query.weight.shape), "d_out x d_in"
                 ),
             ],
@@ -746,7 +739,11 @@ def _causal(x, labels, t, book, seed):
             f"torch.manual_seed({s}); nn.Dropout({p}) on a matrix of ones. Predict: about half "
             f"the entries become 0 and the rest become 1/(1-{p}) = {1 / (1 - p):g}, so the "
             "expected sum is unchanged; in eval mode nothing changes.",
-            [Shape("dropped", (tokens, tokens), tuple(dropped.shape), "same shape as the input")],
+            [
+                ShapeCheck(
+                    "dropped", (tokens, tokens), tuple(dropped.shape), "same shape as the input"
+                )
+            ],
             [Shown("dropout(ones)", dropped)],
             [
                 Check(

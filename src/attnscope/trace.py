@@ -27,9 +27,13 @@ __all__ = ["Trace", "QueryWalk", "ShapeCheck", "trace"]
 
 @dataclass(frozen=True)
 class ShapeCheck:
-    """A stage's predicted shape beside its actual shape."""
+    """A predicted shape, with the rule that predicts it, beside the actual shape.
 
-    stage: Stage
+    ``name`` is a stage name for a trace's own checks (see :attr:`stage`), or any label
+    (``"W_query"``, ``"scores (one query)"``) where the demo checks other tensors.
+    """
+
+    name: str
     predicted: tuple[int, ...]
     actual: tuple[int, ...]
     rule: str
@@ -37,6 +41,10 @@ class ShapeCheck:
     @property
     def ok(self) -> bool:
         return self.predicted == self.actual
+
+    @property
+    def stage(self) -> Stage:
+        return Stage(self.name)
 
 
 @dataclass
@@ -146,7 +154,7 @@ class Trace:
     def shape_checks(self) -> list[ShapeCheck]:
         """Predicted against actual shape for every stage, in order."""
         return [
-            ShapeCheck(Stage(n), self.predicted_shape(n), tuple(t.shape), Stage(n).rule)
+            ShapeCheck(n, self.predicted_shape(n), tuple(t.shape), Stage(n).rule)
             for n, t in self.stages.items()
         ]
 
