@@ -191,8 +191,7 @@ class Judge:
         for stage in (Stage.QUERIES, Stage.KEYS, Stage.VALUES):
             if (
                 stage.value in ref
-                and find_stage(ops, stage, ref[stage.value][:, ...], batched=call.batched)
-                is not None
+                and find_stage(ops, stage, ref[stage.value], batched=call.batched) is not None
             ):
                 n += 1
         return n
