@@ -126,6 +126,8 @@ def _readings(obj: object, where: str, d_in: int | None) -> Readings:
     bias = None
     if isinstance(obj, RawWeight):
         obj, bias = obj.weight, None if obj.bias is None else obj.bias.detach().to(f64)
+        if obj.dim() == 3:
+            return _per_head_readings(obj.detach().to(f64), bias, where, d_in)
     if isinstance(obj, nn.Module):
         weight = getattr(obj, "weight", None)
         bias = getattr(obj, "bias", None)
@@ -149,6 +151,36 @@ def _readings(obj: object, where: str, d_in: int | None) -> Readings:
             f"{where}: a weight of shape {tuple(w.shape)} does not take d_in={d_in}"
         )
     return Readings(options, where)
+
+
+def _per_head_readings(w: torch.Tensor, bias, where: str, d_in: int | None) -> Readings:
+    """A heads-first weight: ``(H, d_in, head_dim)`` (x @ W per head) or ``(H, head_dim,
+    d_in)`` (F.linear per head), read as one ``(d_in, H * head_dim)`` projection."""
+    h, a, b = w.shape
+    b_flat = None if bias is None else bias.reshape(-1)
+    options = []
+    if d_in is None or a == d_in:
+        options.append((w.permute(1, 0, 2).reshape(a, h * b), b_flat))
+    if d_in is None or b == d_in:
+        options.append((w.permute(2, 0, 1).reshape(b, h * a), b_flat))
+    options = [(m, bb) for m, bb in options if bb is None or bb.shape[-1] == m.shape[1]]
+    if not options:
+        raise AttnScopeError(
+            f"{where}: a weight of shape {tuple(w.shape)} does not take d_in={d_in}"
+        )
+    return Readings(options, where)
+
+
+def _bias_role(name: str) -> str | None:
+    """The role of a bias parameter: ``q_b``, ``b_q``, ``bq``, ``query_bias``, ``bias_k``..."""
+    n = name.lower()
+    for affix in ("_bias", "_b"):
+        if n.endswith(affix):
+            return role_of(n[: -len(affix)])
+    for affix in ("bias_", "b_", "b"):
+        if n.startswith(affix) and len(n) > len(affix):
+            return role_of(n[len(affix) :])
+    return None
 
 
 @dataclass
@@ -189,7 +221,7 @@ def _named_parts(module: nn.Module) -> dict[str, object]:
         ):
             parts[name] = ListWeight(list(sub))
     for name, p in params.items():
-        if p.dim() != 2 or name.count(".") > 1:
+        if p.dim() not in (2, 3) or name.count(".") > 1:
             continue
         owner = name.rsplit(".", 1)[0] if "." in name else ""
         if owner in parts or owner.split(".")[0] in parts:
@@ -251,12 +283,29 @@ def bind(module: nn.Module, names: dict[str, str] | None = None) -> Binding:
         per_head = _bind_per_head(module)
         if per_head is not None:
             return per_head
+        inner = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.MultiheadAttention)]
+        if len(inner) == 1:  # a layer wrapping torch's own
+            found = _bind_torch_mha(inner[0][1])
+            found.source = f"{inner[0][0]}: {found.source}"
+            return found
         parts, where = {}, {}
         for name, obj in _named_parts(module).items():
             role = role_of(name.rsplit(".", 1)[-1])
             if role and role not in parts:
                 parts[role], where[role] = obj, name
+        _attach_biases(module, parts)
     return _assemble(module, parts, where, heads)
+
+
+def _attach_biases(module: nn.Module, parts: dict[str, object]) -> None:
+    """Give bare weight parameters the bare bias parameters their names pair them with."""
+    for name, p in module.named_parameters():
+        if p.dim() != 1 or name.count(".") > 1:
+            continue
+        role = _bias_role(name.rsplit(".", 1)[-1])
+        part = parts.get(role)
+        if isinstance(part, RawWeight) and part.bias is None:
+            parts[role] = RawWeight(part.weight, p)
 
 
 def _normalise_names(names: dict[str, str]) -> dict[str, str]:
@@ -274,6 +323,18 @@ def _normalise_names(names: dict[str, str]) -> dict[str, str]:
 def _assemble(module, parts, where, heads) -> Binding:
     if heads is None and isinstance(parts.get("q"), ListWeight):
         heads = len(parts["q"].modules)  # one projection per head
+    stacked = parts.get("qkv")
+    if (
+        isinstance(stacked, RawWeight)
+        and stacked.weight.dim() == 3
+        and stacked.weight.shape[0] == 3
+    ):
+        # (3, d_in, d_out): queries, keys, values stacked on the first axis
+        for i, role in enumerate(("q", "k", "v")):
+            b = None if stacked.bias is None else stacked.bias.reshape(3, -1)[i]
+            parts[role], where[role] = RawWeight(stacked.weight[i], b), f"{where['qkv']}[{i}]"
+    if heads is None and isinstance(parts.get("q"), RawWeight) and parts["q"].weight.dim() == 3:
+        heads = parts["q"].weight.shape[0]  # heads-first (H, d_in, head_dim)
     if "qkv" in parts and not {"q", "k", "v"} <= parts.keys():
         readings = _readings(parts["qkv"], where["qkv"], None)
         triples = []

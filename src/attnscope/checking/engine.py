@@ -176,6 +176,18 @@ class _FunctionCheck:
         }
         if all(close(o, x64 @ x64[i]) for o, i in zip(outs, queries, strict=True)):
             return self._judge([])._report(None, found, refs, dims)
+        used = [self._query_index_used(x64, o) for o in outs]
+        if None not in used:  # every call scored exactly some token: the wrong one
+            pairs = ", ".join(f"{i} -> {j}" for i, j in zip(queries, used, strict=True))
+            where = self._scores_where(ops, Stage.QUERY, x64[used[0]])
+            msg = (
+                f"query: {MISTAKES['wrong_query_token'].meaning}: query_index -> the token "
+                f"actually used: {pairs}. Expected query = inputs[query_index]"
+            )
+            if where:
+                msg += f". Look at {where}"
+            failure = Failure(Stage.QUERY, "wrong_query_token", msg, where)
+            return self._judge([])._report(failure, found, refs, dims, x64[used[0]])
         for code, stage, label, fn in scores_kind_mutations(n):
             try:
                 predicted = [fn(x64, i) for i in queries]
@@ -206,6 +218,13 @@ class _FunctionCheck:
         return self._judge([])._report(
             Failure(stage, "other", msg, None), found, refs, dims, outs[0]
         )
+
+    def _query_index_used(self, x64: torch.Tensor, out: torch.Tensor) -> int | None:
+        """The token whose dot products with every input are ``out``, if there is one."""
+        for j in range(x64.shape[0]):
+            if close(out, x64 @ x64[j]):
+                return j
+        return None
 
     def _query_used(self, x64, out):
         for j in range(x64.shape[0]):

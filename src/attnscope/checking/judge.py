@@ -15,6 +15,7 @@ Given the target's calls (input, output, recorded ops) and the readings of its w
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,6 +80,11 @@ def _seen(found: Found | None, stage: Stage, per_head: bool) -> str:
     return " ".join(bits)
 
 
+def _first_sentence(message: str) -> str:
+    """Up to the first ". " that ends a sentence ("query . key" does not)."""
+    return re.split(r"\. (?=[A-Z])", message, maxsplit=1)[0]
+
+
 class Judge:
     """Walks one target's calls through the reference and writes the report.
 
@@ -106,6 +112,8 @@ class Judge:
         self.calls, self.invoke, self.reprobe = calls, invoke, reprobe
         self.spec: Spec | None = None
         self.w: Weights | None = None
+        #: (stage, message, location) when the target's output is not deterministic
+        self.varies: tuple[Stage, str, str | None] | None = None
 
     def _stage_list(self) -> list[Stage]:
         stages = list(stages_for_kind(self.kind))
@@ -142,7 +150,7 @@ class Judge:
                     StageCheck(
                         stage,
                         False,
-                        failure.message.split(". ")[0],
+                        _first_sentence(failure.message),
                         predicted,
                         tuple(implied) if implied is not None else actual,
                         failure.location,
@@ -175,6 +183,13 @@ class Judge:
 
     def run(self, options: list[tuple[Weights | None, Spec]]) -> CheckReport:
         """The report: correct under one reading of the weights, or the first failure."""
+        if self.varies is not None:  # random in eval mode: nothing can match reliably
+            stage, message, where = self.varies
+            self.w, self.spec = max(options, key=lambda o: self._confirmations(*o))
+            found, refs = self._observe(self.calls[0])
+            return self._report(
+                Failure(stage, "other", message, where), found, refs, self._dims(self.calls[0])
+            )
         for w, spec in options:
             if all(close(c.out, pipeline(c.x, spec, w)["output"]) for c in self.calls):
                 self.w, self.spec = w, spec
@@ -315,7 +330,8 @@ class Judge:
         tokens = calls[0].x.shape[1]
         batch = max(c.x.shape[0] for c in calls)
         combined = self.w is not None and "[q|k|v]" in self.w.source
-        candidates = mutations(self.spec, tokens, batch, combined_qkv=combined)
+        biases = (None, None, None) if self.w is None else (self.w.bq, self.w.bk, self.w.bv)
+        candidates = mutations(self.spec, tokens, batch, combined_qkv=combined, biases=biases)
         projs = [project(c.x, self.spec, self.w) for c in calls]
         for mut in candidates:
             outs = []

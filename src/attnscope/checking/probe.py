@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from ..errors import AttnScopeError, describe
+from ..stages import Stage
 from .binding import WEIGHT_HELP, Binding, bind
+from .compare import close
 from .judge import Call, Judge
 from .record import Op, Recorder
 from .reference import Spec, Weights
@@ -177,7 +179,8 @@ class ModuleProbe:
             params = []
         required = [p for p in params if p.default is inspect.Parameter.empty]
         qkv = len(required) >= 3
-        seq_first = isinstance(m, nn.MultiheadAttention) and not m.batch_first
+        # tokens first, (T, B, d): torch's default, and any module that says so
+        seq_first = getattr(m, "batch_first", True) is False
         hf = type(m).__module__.startswith("transformers") and any(
             p.name == "attention_mask" for p in params
         )
@@ -351,6 +354,32 @@ class ModuleProbe:
         finally:
             self.notes, self.fixed_tokens = notes, fixed
 
+    def _varies(self) -> tuple[Stage, str, str | None] | None:
+        """Run the first call again: attention in eval mode must give the same output."""
+        first = self.calls[0]
+        rec = Recorder()
+        with rec:
+            out, err = self._invoke(
+                first.x.float() if first.batched else first.x[0].float(), self.causal_hint
+            )
+        if err is not None:
+            return None
+        out = out.double() if first.batched else out.double().unsqueeze(0)
+        if out.shape != first.out.shape or close(out, first.out, rtol=1e-6):
+            return None  # the same, up to reductions that may run in another order
+        dropout = [op for op in rec.ops if "dropout" in op.name]
+        where = dropout[0].location if dropout else None
+        stage = Stage.WEIGHTS if dropout else Stage.OUTPUT
+        cause = "dropout that stays on in eval mode (F.dropout's training=True default?)"
+        msg = (
+            f"{stage.value}: the output changes from one run to the next on the same input, "
+            f"in eval mode: {cause if dropout else 'something random in the computation'}. "
+            "Expected a deterministic result once model.eval() is called"
+        )
+        if where:
+            msg += f". Look at {where}"
+        return stage, msg, where
+
     def _judge(self, options: list[tuple[Weights | None, Spec]]) -> CheckReport:
         judge = Judge(
             target=self.tgt.text,
@@ -361,4 +390,5 @@ class ModuleProbe:
             invoke=lambda x: self._invoke(x, self.causal_hint),
             reprobe=self._short_probe,
         )
+        judge.varies = self._varies()
         return judge.run(options)

@@ -302,6 +302,16 @@ def _split_interleaved(t: T, heads: int) -> T:
     return t.reshape(b, n, d // heads, heads).permute(0, 3, 1, 2)
 
 
+def _merge_tokens(c: T) -> T:
+    """The inverse of :func:`_split_tokens`: ``(B, H, T, hd) -> (B, T, H*hd)`` by reshape."""
+    return c.reshape(c.shape[0], c.shape[2], -1)
+
+
+def _merge_interleaved(c: T) -> T:
+    """The inverse of :func:`_split_interleaved`."""
+    return c.permute(0, 2, 3, 1).reshape(c.shape[0], c.shape[2], -1)
+
+
 def _only(which: int, bad: Callable[[T, int], T]) -> Callable[[T, int], T]:
     """A split applied wrongly to one of queries/keys/values (by call order 0, 1, 2)."""
     calls = {"n": 0}
@@ -330,13 +340,67 @@ def _shift_keys(q: T, k: T, shift: int) -> T:
     return out
 
 
+def _bias_mistakes(biases: tuple[T | None, T | None, T | None]) -> list[Mutation]:
+    """A projection without its bias, every projection without one, or another's bias."""
+    stages = (Stage.QUERIES, Stage.KEYS, Stage.VALUES)
+
+    def shift(i: int, delta: T) -> Callable[[T, T, T], tuple[T, T, T]]:
+        return lambda q, k, v: tuple(t + delta if j == i else t for j, t in enumerate((q, k, v)))
+
+    out = []
+    for i, bias in enumerate(biases):
+        if bias is None:
+            continue
+        out.append(
+            Mutation(
+                "wrong_projection",
+                stages[i],
+                f"{stages[i]} projected without their bias",
+                qkv=shift(i, -bias),
+            )
+        )
+        for j, other in enumerate(biases):
+            if j != i and other is not None and other.shape == bias.shape:
+                out.append(
+                    Mutation(
+                        "wrong_projection",
+                        stages[i],
+                        f"{stages[i]} projected with the bias of the {stages[j]}",
+                        qkv=shift(i, other - bias),
+                    )
+                )
+    present = [b for b in biases if b is not None]
+    if len(present) > 1:
+        out.append(
+            Mutation(
+                "wrong_projection",
+                next(st for st, b in zip(stages, biases, strict=True) if b is not None),
+                "projections without their biases",
+                qkv=lambda q, k, v: tuple(
+                    t if b is None else t - b for t, b in zip((q, k, v), biases, strict=True)
+                ),
+            )
+        )
+    return out
+
+
 def _l2(q: T, k: T) -> T:
     """Squared distances ``|q_i - k_j|^2`` without a (..., T, T, d) intermediate."""
     return (q * q).sum(-1, keepdim=True) + (k * k).sum(-1).unsqueeze(-2) - 2 * q @ k.mT
 
 
-def mutations(spec: Spec, tokens: int, batch: int, *, combined_qkv: bool = False) -> list[Mutation]:
-    """Every known single mistake that applies to ``spec``, in pipeline order."""
+def mutations(
+    spec: Spec,
+    tokens: int,
+    batch: int,
+    *,
+    combined_qkv: bool = False,
+    biases: tuple[T | None, T | None, T | None] = (None, None, None),
+) -> list[Mutation]:
+    """Every known single mistake that applies to ``spec``, in pipeline order.
+
+    ``biases`` are the query, key and value biases, for the mistake of leaving one out.
+    """
     ms: list[Mutation] = []
     S, Q, K, V = Stage, Stage.QUERIES, Stage.KEYS, Stage.VALUES
     if not spec.simplified:
@@ -349,10 +413,21 @@ def mutations(spec: Spec, tokens: int, batch: int, *, combined_qkv: bool = False
                     qkv=lambda q, k, v, s=src: tuple((q, k, v)[i] for i in s),
                 )
             )
+        ms += _bias_mistakes(biases)
     if spec.multihead and spec.num_heads > 1:
+        inverses = {_split_tokens: _merge_tokens, _split_interleaved: _merge_interleaved}
         for bad, how in ((_split_tokens, "tokens"), (_split_interleaved, "interleaved features")):
             ms.append(
                 Mutation("heads_split", Q, f"heads cut from {how} (all of q, k, v)", split=bad)
+            )
+            ms.append(  # the same wrong cut, undone consistently when the heads are merged
+                Mutation(
+                    "heads_split",
+                    Q,
+                    f"heads cut from {how} (all of q, k, v), merged back the same way",
+                    split=bad,
+                    merge=inverses[bad],
+                )
             )
             for i, stage in enumerate((Q, K, V)):
                 ms.append(
@@ -406,6 +481,14 @@ def mutations(spec: Spec, tokens: int, batch: int, *, combined_qkv: bool = False
                     q @ k.transpose(0, 1).reshape(1, k.shape[1], -1, k.shape[-1]).mT
                 ),
                 context=lambda w, v: w @ v.transpose(0, 1).reshape(1, v.shape[1], -1, v.shape[-1]),
+            )
+        )
+        ms.append(
+            Mutation(
+                "batch_mixing",
+                S.SCORES,
+                "each query scored against the keys summed over the batch",
+                scores=lambda q, k: q @ k.sum(0, keepdim=True).mT,
             )
         )
         for what in ("keys", "keys and values"):
