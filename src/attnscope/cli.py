@@ -24,7 +24,7 @@ from .stages import MATRIX_STAGES
 __all__ = ["main", "build_parser"]
 
 _FIGURE_SUFFIXES = (".png", ".svg")
-_WEIGHT_ROLES = ("query", "key", "value", "qkv", "out")
+_WEIGHT_ROLES = ("query", "key", "value", "qkv", "kv", "out")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -34,6 +34,12 @@ def describe(obj: object) -> str:
     if isinstance(obj, torch.Tensor):
         dtype = str(obj.dtype).removeprefix("torch.")
         return f"tensor of shape {tuple(obj.shape)}, {dtype}"
+    if isinstance(obj, dict):
+        return f"dict with keys {list(obj)[:8]}"
+    if isinstance(obj, (tuple, list)):
+        return (
+            f"{type(obj).__name__} of {len(obj)} ({', '.join(type(v).__name__ for v in obj[:4])})"
+        )
     return f"{type(obj).__name__} {obj!r}"[:120]
 
 

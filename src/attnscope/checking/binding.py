@@ -36,7 +36,8 @@ HEAD_ATTRS = (
 
 WEIGHT_HELP = (
     "name them with --weights query=NAME,key=NAME,value=NAME[,out=NAME] (or qkv=NAME for one "
-    "combined weight), where NAME is a parameter or submodule path such as W_query or attn.q_proj"
+    "combined weight, kv=NAME for a combined key/value one), where NAME is a parameter or "
+    "submodule path such as W_query or attn.q_proj"
 )
 
 _ROLE_ALIASES = {
@@ -44,6 +45,7 @@ _ROLE_ALIASES = {
     "k": {"k", "key", "keys", "ks"},
     "v": {"v", "value", "values", "vs"},
     "qkv": {"qkv", "c_attn", "in_proj", "qkv_proj", "query_key_value", "kqv", "att_proj"},
+    "kv": {"kv", "kv_proj", "key_value", "wkv"},
     "o": {"o", "out", "output", "c_proj", "proj", "dense", "fc_out", "projection", "out_proj"},
 }
 _PREFIXES = ("w_", "to_", "linear_", "lin_", "proj_", "w")
@@ -77,7 +79,7 @@ def role_of(name: str) -> str | None:
             for s in _SUFFIXES:
                 if c.endswith(s) and len(c) > len(s):
                     candidates.add(c[: -len(s)])
-    for role in ("qkv", "q", "k", "v", "o"):
+    for role in ("qkv", "kv", "q", "k", "v", "o"):
         if candidates & _ROLE_ALIASES[role]:
             return role
     if re.search(r"qkv|c_attn|in_proj", n):
@@ -291,6 +293,11 @@ def bind(module: nn.Module, names: dict[str, str] | None = None) -> Binding:
         parts, where = {}, {}
         for name, obj in _named_parts(module).items():
             role = role_of(name.rsplit(".", 1)[-1])
+            head, _, last = name.rpartition(".")
+            if role is None and last.isdigit() and last == "0" and head:
+                # "to_out.0": a Linear first in a Sequential is named by its container
+                container = module.get_submodule(head)
+                role = role_of(head) if isinstance(container, nn.Sequential) else None
             if role and role not in parts:
                 parts[role], where[role] = obj, name
         _attach_biases(module, parts)
@@ -312,9 +319,9 @@ def _normalise_names(names: dict[str, str]) -> dict[str, str]:
     out = {}
     for key, path in names.items():
         role = {"query": "q", "key": "k", "value": "v", "out": "o", "output": "o"}.get(key, key)
-        if role not in ("q", "k", "v", "qkv", "o"):
+        if role not in ("q", "k", "v", "qkv", "kv", "o"):
             raise AttnScopeError(
-                f"--weights: expected roles query, key, value, qkv, out; got {key!r}"
+                f"--weights: expected roles query, key, value, qkv, kv, out; got {key!r}"
             )
         out[role] = path
     return out
@@ -344,6 +351,26 @@ def _assemble(module, parts, where, heads) -> Binding:
         if not triples:
             raise AttnScopeError(
                 f"{where['qkv']}: expected a combined weight with 3*d_out outputs; {WEIGHT_HELP}"
+            )
+        d_in = triples[0][0][0][0].shape[0]
+    elif "kv" in parts and "q" in parts and not {"k", "v"} <= parts.keys():
+        # a separate query projection and one combined key/value weight (x-transformers)
+        q_readings = _readings(parts["q"], where["q"], None)
+        triples = []
+        for wq, bq in q_readings.options:
+            for wkv, bkv in _readings(parts["kv"], where["kv"], wq.shape[0]).options:
+                d = wkv.shape[1] // 2
+                if wkv.shape[1] % 2 or d != wq.shape[1]:
+                    continue
+                halves = [
+                    (wkv[:, :d], None if bkv is None else bkv[:d]),
+                    (wkv[:, d:], None if bkv is None else bkv[d:]),
+                ]
+                triples.append(([(wq, bq), *halves], f"{where['q']}, {where['kv']} [k|v]"))
+        if not triples:
+            raise AttnScopeError(
+                f"{where['kv']}: expected a combined key/value weight with 2*d_out outputs; "
+                + WEIGHT_HELP
             )
         d_in = triples[0][0][0][0].shape[0]
     elif {"q", "k", "v"} <= parts.keys():

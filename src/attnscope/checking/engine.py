@@ -65,9 +65,19 @@ def check(
         raise AttnScopeError(f"--tokens: expected an integer of at least 2, got {tokens!r}")
     with _threads(1 if tokens is None or tokens <= _SMALL_PROBE else None):
         tgt = load(target, kind=kind, init=init, seed=seed, tokens=tokens, timeout=timeout)
-        if tgt.is_module:
-            return ModuleProbe(tgt, kind, seed, timeout, weights, tokens).run()
-        return _FunctionCheck(tgt, kind, seed, timeout).run()
+        try:
+            if tgt.is_module:
+                return ModuleProbe(tgt, kind, seed, timeout, weights, tokens).run()
+            return _FunctionCheck(tgt, kind, seed, timeout).run()
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            if isinstance(exc, AttnScopeError):
+                raise
+            # the target ran; reading it failed in a way attnscope did not foresee
+            raise AttnScopeError(
+                f"{tgt.text}: the check could not be completed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); naming the weights with "
+                "--weights or the kind with --kind may help, and this is worth reporting"
+            ) from exc
 
 
 _SMALL_PROBE = 32  # tokens; below this one thread is as fast, and far faster on a busy CPU
@@ -130,15 +140,6 @@ class _FunctionCheck:
             return self._scores(x)
         return self._simplified(x)
 
-    def _call(self, *args):
-        result, err = call_safely(self.tgt.obj, *args, timeout=self.timeout)
-        if err is not None:
-            raise AttnScopeError(f"{self.tgt.text} raised {err}")
-        out = first_tensor(result)
-        if not isinstance(out, torch.Tensor):
-            raise AttnScopeError(f"{self.tgt.text}: expected a tensor, got {describe(out)}")
-        return out
-
     def _judge(self, calls: list[Call]) -> Judge:
         return Judge(
             target=self.tgt.text,
@@ -151,12 +152,18 @@ class _FunctionCheck:
 
     def _scores(self, x: torch.Tensor) -> CheckReport:
         n = x.shape[0]
-        queries = [1, 0, n - 1, 4]
-        outs, recs = [], []
-        for i in queries:
+        asked = [1, 0, n - 1, 4]
+        queries, outs, recs, errors = [], [], [], []
+        for i in asked:
             rec = Recorder()
             with rec:
-                out = self._call(x, i)
+                result, err = call_safely(self.tgt.obj, x, i, timeout=self.timeout)
+            if err is not None:  # e.g. an index shifted past the end: judge the others
+                errors.append(f"query_index={i}: {err}")
+                continue
+            out = first_tensor(result)
+            if not isinstance(out, torch.Tensor):
+                raise AttnScopeError(f"{self.tgt.text}: expected a tensor, got {describe(out)}")
             if out.shape != (n,):
                 out = out.reshape(-1) if out.numel() == n else out
             if out.shape != (n,) or not out.is_floating_point():
@@ -166,6 +173,11 @@ class _FunctionCheck:
                 )
             outs.append(out.double())
             recs.append(rec)
+            queries.append(i)
+        if len(queries) < 2:
+            raise AttnScopeError(f"{self.tgt.text} raised on the probes: " + "; ".join(errors))
+        if errors:
+            self.notes.append("raised for some query indices: " + "; ".join(errors))
         x64 = x.double()
         dims = Dims(tokens=n, d_in=x.shape[1], d_out=x.shape[1])
         refs = {Stage.QUERY: x64[queries[0]], Stage.SCORES: x64 @ x64[queries[0]]}

@@ -32,8 +32,12 @@ _WEIGHTLESS_WIDTH = 5  # d_in for a module without weights (simplified attention
 
 
 def first_tensor(result: object) -> object:
+    """What a call returned, reduced to the attention output: the first element of a tuple
+    or list, the first tensor of a dict (``{"out": ..., "attn": ...}``)."""
     if isinstance(result, (tuple, list)) and result:
         return result[0]
+    if isinstance(result, dict):
+        return next((v for v in result.values() if isinstance(v, torch.Tensor)), result)
     if hasattr(result, "to_tuple"):  # Hugging Face ModelOutput
         return result.to_tuple()[0]
     return result
@@ -58,7 +62,7 @@ def rebuild_sdpa(rec: Recorder) -> list[Op]:
                 logits = logits.masked_fill(~mask, -torch.inf)
             else:
                 logits = logits + mask.double()
-        weights = torch.softmax(logits, dim=-1)
+        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked rows: 0, as SDPA
         where = call.location
         name = "scaled_dot_product_attention (rebuilt from its arguments)"
         for t in (scores, scaled, logits, weights, call.output):
@@ -223,7 +227,7 @@ class ModuleProbe:
             out, err = self._invoke(x, causal_hint)
         if err is None:
             self._expect_shape(out, x)
-            calls.append(Call(x.double(), out.double(), True, rec.ops, rebuild_sdpa(rec)))
+            calls.append(Call(x.double(), out.double(), True, rec.ops, rebuild_sdpa(rec), rec.sdpa))
         else:
             errors.append(f"batched input {fmt_shape(x.shape)}: {err}")
         rec1 = Recorder()
@@ -233,7 +237,12 @@ class ModuleProbe:
             self._expect_shape(out1, x[0])
             calls.append(
                 Call(
-                    x[:1].double(), out1.double().unsqueeze(0), False, rec1.ops, rebuild_sdpa(rec1)
+                    x[:1].double(),
+                    out1.double().unsqueeze(0),
+                    False,
+                    rec1.ops,
+                    rebuild_sdpa(rec1),
+                    rec1.sdpa,
                 )
             )
         else:

@@ -142,6 +142,7 @@ def pipeline(
     mut: Mutation = NONE,
     proj: tuple[T, T, T] | None = None,
     batched: bool = True,
+    nan_rows: float | None = None,
 ) -> dict[str, T]:
     """Every stage of the reference (or of one mutation) for ``x``.
 
@@ -150,6 +151,8 @@ def pipeline(
         spec: kind and sizes; ``w``: the bound weights (``None`` for simplified).
         proj: :func:`project` of ``x``, when already computed.
         batched: whether the user's code saw a batch axis (for ``Mutation.user_dim``).
+        nan_rows: the weight given to rows whose keys are all masked (NaN in the math; fused
+            kernels such as ``scaled_dot_product_attention`` on the CPU give 0).
 
     Returns:
         stage name -> tensor. Per-head stages are ``(B, H, T, *)`` for multi-head kinds and
@@ -192,6 +195,8 @@ def pipeline(
         weights = mut.softmax(logits) if mut.softmax else torch.softmax(logits, dim=-1)
     if mut.after_softmax is not None:
         weights = mut.after_softmax(weights)
+    if nan_rows is not None:
+        weights = weights.nan_to_num(nan_rows)
     weights = sub.get("weights", weights)
     context = mut.context(weights, vh) if mut.context else weights @ vh
     context = sub.get("context", context)
@@ -584,6 +589,14 @@ def mutations(
                     facts={"dim": dim},
                 )
             )
+    ms.append(
+        Mutation(
+            "softmax_wrong_dim",
+            S.WEIGHTS,
+            "softmax over the whole score matrix at once instead of each query's row",
+            softmax=lambda s: torch.softmax(s.flatten(-2), dim=-1).view_as(s),
+        )
+    )
     not_softmax = {
         "scores divided by their row sum": lambda s: s / s.sum(-1, keepdim=True),
         "sigmoid": torch.sigmoid,
@@ -642,6 +655,8 @@ def mutations(
                 c.shape[0], c.shape[2], -1
             ),
             "heads concatenated in reverse order": lambda c: merge(c.flip(1)),
+            "heads averaged instead of concatenated": lambda c: c.mean(1),
+            "heads summed instead of concatenated": lambda c: c.sum(1),
         }
         for label, fn in merges.items():
             ms.append(Mutation("heads_merge", S.OUTPUT, label, merge=fn))

@@ -1,0 +1,48 @@
+"""Whisper MultiHeadAttention: q and k each scaled by head_dim**-0.25, key without bias, kv_cache kw."""
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, n_state: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.query = nn.Linear(n_state, n_state)
+        self.key = nn.Linear(n_state, n_state, bias=False)
+        self.value = nn.Linear(n_state, n_state)
+        self.out = nn.Linear(n_state, n_state)
+
+    def forward(
+        self,
+        x: Tensor,
+        xa: Tensor | None = None,
+        mask: Tensor | None = None,
+        kv_cache: dict | None = None,
+    ):
+        q = self.query(x)
+        k = self.key(x if xa is None else xa)
+        v = self.value(x if xa is None else xa)
+        wv, qk = self.qkv_attention(q, k, v, mask)
+        return self.out(wv), qk
+
+    def qkv_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None):
+        n_batch, n_ctx, n_state = q.shape
+        scale = (n_state // self.n_head) ** -0.25
+        q = q.view(*q.shape[:2], self.n_head, -1).permute(0, 2, 1, 3) * scale
+        k = k.view(*k.shape[:2], self.n_head, -1).permute(0, 2, 3, 1) * scale
+        v = v.view(*v.shape[:2], self.n_head, -1).permute(0, 2, 1, 3)
+        qk = q @ k
+        if mask is not None:
+            qk = qk + mask[:n_ctx, :n_ctx]
+        qk = qk.float()
+        w = F.softmax(qk, dim=-1).to(q.dtype)
+        return (w @ v).permute(0, 2, 1, 3).flatten(start_dim=2), qk.detach()
+
+
+EXPECT = {
+    "target": "MultiHeadAttention",
+    "kind": "multihead",
+    "ok": True,
+    "init": {"n_state": 12, "n_head": 3},
+}
