@@ -251,14 +251,22 @@ def _named_scales(spec: Spec, tokens: int) -> list[tuple[float, str]]:
         (0.5, "1/2"),
         (2.0, "2"),
     ]
-    seen, out = set(), []
+    # equal sizes give equal factors: name them together ("1/sqrt(d_in) = 1/sqrt(d_out) = ...")
+    merged: dict[float, tuple[float, list[str], str]] = {}
     for value, text in named:
-        key = round(value, 9)
-        if key in seen or math.isclose(value, spec.scale, rel_tol=1e-9) or value == 1.0:
+        if math.isclose(value, spec.scale, rel_tol=1e-9) or value == 1.0:
             continue
-        seen.add(key)
-        out.append((value, text))
-    return out
+        name, _, number = text.partition(" = ")
+        key = round(value, 9)
+        if key in merged:
+            if number:  # a bare number ("2") adds nothing to a named factor
+                merged[key][1].append(name)
+        else:
+            merged[key] = (value, [name], number)
+    return [
+        (value, " = ".join([*names, number]) if number else names[0])
+        for value, names, number in merged.values()
+    ]
 
 
 def describe_scale(value: float, spec: Spec, tokens: int) -> str:
