@@ -4,8 +4,10 @@ Shapes use ``T`` for tokens, ``B`` for batch, ``H`` for heads. Functions that ma
 for both accept unbatched ``(T, d)`` and batched ``(B, T, d)`` input (and ``(B, H, T, d)``
 per-head input); the last two axes are always (tokens, features) or (queries, keys).
 
-The explicit pipeline (see :func:`attend`) is the reference the modules, the traces and the
-checker share, so there is one definition of every stage.
+The explicit pipeline (see :func:`attend`) is what the modules and the traces run. The
+checker keeps its own float64 copy (``attnscope.checking.reference``), because it must
+change one step at a time to replay known mistakes; its tests hold the two to the same
+numbers.
 """
 
 from __future__ import annotations

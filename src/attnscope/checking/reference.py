@@ -683,27 +683,10 @@ def with_scale(m: Mutation, value: float, text: str) -> Mutation:
 # ------------------------------------------------------------------- scores of one query
 
 
-def scores_kind_mutations(tokens: int) -> list[tuple[str, Stage, str, Callable[[T, int], T]]]:
+def scores_kind_mutations() -> list[tuple[str, Stage, str, Callable[[T, int], T]]]:
     """Mistakes for ``f(inputs, query_index) -> (T,)``: (code, stage, label, fn)."""
+    # a query taken from another token is found directly (which token each call scored)
     out: list[tuple[str, Stage, str, Callable[[T, int], T]]] = []
-    for shift in (1, -1):
-        out.append(
-            (
-                "wrong_query_token",
-                Stage.QUERY,
-                f"query taken from token i{shift:+d}",
-                lambda x, i, s=shift: x @ x[(i + s) % x.shape[0]],
-            )
-        )
-    for j in range(tokens):
-        out.append(
-            (
-                "wrong_query_token",
-                Stage.QUERY,
-                f"query always taken from token {j}",
-                lambda x, i, j=j: x @ x[j],
-            )
-        )
     for shift in (1, -1):
         out.append(
             (
