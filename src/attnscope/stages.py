@@ -29,8 +29,13 @@ class Stage(str, Enum):
     QUERIES = "queries"
     KEYS = "keys"
     VALUES = "values"
+    NORMED_QUERIES = "normed_queries"
+    NORMED_KEYS = "normed_keys"
+    ROTATED_QUERIES = "rotated_queries"
+    ROTATED_KEYS = "rotated_keys"
     SCORES = "scores"
     SCALED_SCORES = "scaled_scores"
+    BIASED_SCORES = "biased_scores"
     MASKED_SCORES = "masked_scores"
     WEIGHTS = "weights"
     CONTEXT = "context"
@@ -55,15 +60,26 @@ class Stage(str, Enum):
 
 
 #: The ``(T, T)`` stages, one row per query and one column per key (what a heatmap shows).
-MATRIX_STAGES = (Stage.SCORES, Stage.SCALED_SCORES, Stage.MASKED_SCORES, Stage.WEIGHTS)
+MATRIX_STAGES = (
+    Stage.SCORES,
+    Stage.SCALED_SCORES,
+    Stage.BIASED_SCORES,
+    Stage.MASKED_SCORES,
+    Stage.WEIGHTS,
+)
 
 _RULES = {
     Stage.QUERY: "one vector: the query token's row, with d_k features",
     Stage.QUERIES: "one row per token, d_out columns (per head: head_dim columns)",
     Stage.KEYS: "one row per token, d_out columns (per head: head_dim columns)",
     Stage.VALUES: "one row per token, d_out columns (per head: head_dim columns)",
+    Stage.NORMED_QUERIES: "same shape as queries: each query vector normalised (QK norm)",
+    Stage.NORMED_KEYS: "same shape as keys: each key vector normalised (QK norm)",
+    Stage.ROTATED_QUERIES: "same shape as queries: each pair of features rotated by its position",
+    Stage.ROTATED_KEYS: "same shape as keys: each pair of features rotated by its position",
     Stage.SCORES: "one row per query, one column per key: tokens x tokens",
     Stage.SCALED_SCORES: "same shape as scores: each score divided by sqrt(d_k)",
+    Stage.BIASED_SCORES: "same shape as scores: a position bias added (ALiBi or learned)",
     Stage.MASKED_SCORES: "same shape as scores: keys after the query set to -inf",
     Stage.WEIGHTS: "same shape as scores: each row is positive and sums to 1",
     Stage.CONTEXT: "one row per token, d_out columns (per head: head_dim columns)",
@@ -100,7 +116,16 @@ class Dims:
         t = self.tokens
         if stage is Stage.QUERY:
             return (self.head_dim,)
-        if stage in (Stage.QUERIES, Stage.KEYS, Stage.VALUES, Stage.CONTEXT):
+        if stage in (
+            Stage.QUERIES,
+            Stage.KEYS,
+            Stage.VALUES,
+            Stage.NORMED_QUERIES,
+            Stage.NORMED_KEYS,
+            Stage.ROTATED_QUERIES,
+            Stage.ROTATED_KEYS,
+            Stage.CONTEXT,
+        ):
             return (*lead, *heads, t, self.head_dim)
         if stage is Stage.OUTPUT:
             return (*lead, t, self.d_out)
