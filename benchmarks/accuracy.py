@@ -46,9 +46,11 @@ def judge(path: Path, expect: dict, infer: bool, timeout: float) -> tuple[str, s
         if expect.get("unsupported"):
             return "refused-right", said
         return "refused", said
-    except Exception as exc:  # noqa: BLE001 - a crash is what this measures
+    except Exception as exc:  # a crash is what this measures
         return "crash", f"{type(exc).__name__}: {exc}"[:200]
-    got = "ok" if report.ok else f"{report.first_failure.stage.value}/{report.first_failure.mistake}"
+    got = (
+        "ok" if report.ok else f"{report.first_failure.stage.value}/{report.first_failure.mistake}"
+    )
     if expect.get("unsupported"):
         return "verdict-on-unsupported", got
     if expect.get("ok"):
