@@ -189,7 +189,7 @@ def find_stage(
     forms = _forms(ref, stage, batched)
     shapes = {tuple(f.shape) for _, f in forms}
     for op in ops:
-        if tuple(op.output.shape) not in shapes or op.stale:
+        if tuple(op.output.shape) not in shapes or op.stale or not op.comparable:
             continue
         for layout, form in forms:
             if tuple(form.shape) != tuple(op.output.shape):

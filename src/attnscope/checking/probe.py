@@ -1,10 +1,20 @@
-"""Probe a module: find its weights, call it the way it expects, record what it computes.
+"""Probe a module: find its attention from what it computes, call it, record what it does.
 
-Calls are made on a batch of two different sequences and on each sequence alone (where
-the module takes unbatched input); modules taking ``(query, key, value)``, tokens-first
-``nn.MultiheadAttention`` and Hugging Face layers (which get their causal mask from the
-model, so it is passed here the way the model passes it) are called accordingly. The kind,
-when not given, is inferred from names, buffers and the module's behaviour.
+1. **Discover.** The target is called once on a batch of two sequences, recorded with its
+   dataflow; :func:`.structure.read_structure` finds the attention layer (the target, or a
+   submodule of a wrapper, block or decoder layer), its projections, heads and mask.
+2. **Enter the layer.** A layer inside a wrapper is probed where it sits: the wrapper runs
+   on its own input, and the layer's hidden-state argument is swapped for the probe on the
+   way in (its other arguments, a mask or positions, are the ones its wrapper passes); its
+   output is taken on the way out and the wrapper stops there.
+3. **Probe.** The layer is called on a batch of two different sequences (and each alone,
+   where it takes unbatched input with the same meaning), each call recorded.
+
+Modules taking ``(query, key, value)``, tokens-first ``nn.MultiheadAttention`` and Hugging
+Face layers (which get their causal mask from the model, so it is passed here the way the
+model passes it) are called accordingly. The kind, when not given, comes from the
+computation: heads from its shapes, causal from a triangular mask on its scores (or, where
+none is seen, from outputs that ignore later tokens).
 """
 
 from __future__ import annotations
@@ -17,12 +27,13 @@ from torch import nn
 
 from ..errors import AttnScopeError, describe
 from ..stages import Stage
-from .binding import WEIGHT_HELP, Binding, bind
+from .binding import Binding, bind_names, bind_structure
 from .compare import close
 from .judge import Call, Judge
 from .record import Op, Recorder
 from .reference import Spec, Weights
 from .report import CheckReport
+from .structure import Structure, read_structure
 from .target import SIZES, Target, call_safely
 
 __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
@@ -48,6 +59,8 @@ def rebuild_sdpa(rec: Recorder) -> list[Op]:
     ops: list[Op] = []
     for call in rec.sdpa:
         q, k = call.query.double(), call.key.double()
+        if call.enable_gqa and k.dim() == 4 and k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         scores = q @ k.transpose(-2, -1)
         scale = call.scale if call.scale is not None else 1 / math.sqrt(q.shape[-1])
         scaled = scores * scale
@@ -74,6 +87,23 @@ def fmt_shape(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
 
 
+class _Captured(BaseException):
+    """Raised from the layer's forward hook once its output is taken: the wrapper stops
+    there (a BaseException, so that the wrapper's own ``except Exception`` lets it by)."""
+
+    def __init__(self, output):
+        super().__init__("captured")
+        self.output = output
+
+
+class _Entry:
+    """Where a layer inside a wrapper takes its hidden states, and in which layout."""
+
+    def __init__(self, module: nn.Module, path: str, positions: list, tokens_first: bool):
+        self.module, self.path = module, path
+        self.positions, self.tokens_first = positions, tokens_first
+
+
 class ModuleProbe:
     """Everything about calling one module; :meth:`run` hands the calls to a :class:`Judge`."""
 
@@ -85,73 +115,319 @@ class ModuleProbe:
         self.kind_reason = ""
         self.causal_hint = False
         self.gen = torch.Generator().manual_seed(seed)
+        # discovery draws from its own generator: the judged probes do not depend on it
+        self.discovery_gen = torch.Generator().manual_seed(seed + 1)
+        self.entry: _Entry | None = None
+        self.structure: Structure | None = None
+        self._root_inputs: dict[tuple, torch.Tensor] = {}
+        self._root_width = _WEIGHTLESS_WIDTH
+        self._leaf_names = {id(p): f"param:{n}" for n, p in self.module.named_parameters()}
+        self._leaf_names.update({id(b): f"buffer:{n}" for n, b in self.module.named_buffers()})
 
+    # ------------------------------------------------------------------ the run
     def run(self) -> CheckReport:
         self.module.eval()
-        binding = self._bind()
+        self.adapter = self._adapter(self.module)
+        if self.kind == "simplified" or not any(True for _ in self.module.parameters()):
+            return self._run_weightless()
+        st = self._discover()
+        self.structure = st
+        layer = self.entry.module if self.entry is not None else self.module
+        if self.weights:
+            binding = bind_names(layer, self.weights, st.heads)
+        else:
+            binding = bind_structure(st, layer)
         self.binding = binding
-        self.adapter = self._adapter()
         tokens = self._tokens(binding)
-        widths = (
-            [_WEIGHTLESS_WIDTH]
-            if binding is None
-            else sorted({c.q.shape[0] for c in binding.candidates}, key=lambda d: d != binding.d_in)
-        )
-        for i, d_in in enumerate(widths):
-            x = torch.randn(BATCH, tokens, d_in, generator=self.gen)
-            try:
-                self.calls = self._probe(x)
-                break
-            except AttnScopeError:
-                if i == len(widths) - 1:
-                    raise
-        if binding is not None:
-            binding.candidates = [c for c in binding.candidates if c.q.shape[0] == d_in]
-            binding.d_in, binding.d_out = d_in, binding.candidates[0].q.shape[1]
+        x = torch.randn(BATCH, tokens, binding.d_in, generator=self.gen)
+        self.calls = self._probe(x)
         if self.kind is None:
-            self.kind, self.kind_reason = self._infer_kind(binding, tokens, d_in)
+            self.kind, self.kind_reason = self._infer_kind(binding, st, tokens)
         else:
             self.kind_reason = "given with --kind"
-        if self.kind in ("scores",):
+        if self.kind == "scores":
             raise AttnScopeError(
                 "--kind scores: expected a function f(inputs, query_index), got an nn.Module"
             )
         if self.kind == "simplified":
-            return self._judge([(None, Spec("simplified", d_in, d_in))])
-        if binding is None:
-            raise AttnScopeError(
-                f"{type(self.module).__name__}: expected query, key and value weights; "
-                + WEIGHT_HELP
-            )
+            return self._judge([(None, Spec("simplified", binding.d_in, binding.d_in))])
         return self._judge(self._specs(binding))
 
-    def _bind(self) -> Binding | None:
-        if not any(True for _ in self.module.parameters()):
-            return None  # weightless attention
-        if self.kind == "simplified":
-            return None
-        return bind(self.module, self.weights)
+    def _run_weightless(self) -> CheckReport:
+        tokens = self._tokens(None)
+        x = torch.randn(BATCH, tokens, _WEIGHTLESS_WIDTH, generator=self.gen)
+        self.calls = self._probe(x)
+        if self.kind is None:
+            self.kind, self.kind_reason = "simplified", "it has no trainable weights"
+        else:
+            self.kind_reason = "given with --kind"
+        if self.kind != "simplified":
+            raise AttnScopeError(
+                f"--kind {self.kind}: expected query, key and value weights, but "
+                f"{type(self.module).__name__} has no parameters"
+            )
+        return self._judge([(None, Spec("simplified", _WEIGHTLESS_WIDTH, _WEIGHTLESS_WIDTH))])
 
+    # ------------------------------------------------------------------ discovery
+    def _widths(self) -> list[int]:
+        """Input widths to try, from the parameters' shapes (first registered first)."""
+        if isinstance(self.module, nn.MultiheadAttention):
+            return [self.module.embed_dim]
+        seen: list[int] = []
+        for p in self.module.parameters():
+            dims = (p.shape[1], p.shape[0]) if p.dim() == 2 else tuple(p.shape)
+            for d in dims:
+                if d > 1 and d not in seen:
+                    seen.append(d)
+        return seen[:8]
+
+    def _discover(self) -> Structure:
+        """Call the target on widths its parameters suggest until one runs; read the
+        attention's structure from that call."""
+        tokens = self._tokens(None)
+        errors: list[str] = []
+        for d in self._widths():
+            batch = torch.randn(BATCH, tokens, d, generator=self.discovery_gen)
+            for x in (batch, batch[0]):  # some take only (tokens, d)
+                rec = self._recorder(x)
+                with rec:
+                    out, err = self._invoke_root(x, second=self.adapter["pair"])
+                if err is not None:
+                    errors.append(f"input {fmt_shape(x.shape)}: {err}")
+                    continue
+                st = read_structure(rec, self.module)
+                self._root_width = d
+                if st.weightless:
+                    raise AttnScopeError(
+                        f"{self.tgt.text}: its attention reads no projection weights; check it "
+                        "as --kind simplified, or name its weights with --weights"
+                    )
+                if st.call is not None:
+                    self.entry = self._entry(st, rec, batch)
+                    self.notes.append(f"the attention layer checked is {st.layer!r}")
+                return st
+        raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors[:3]))
+
+    def _recorder(self, x: torch.Tensor, *more: torch.Tensor) -> Recorder:
+        leaves = dict(self._leaf_names)
+        for i, t in enumerate((x, *more)):
+            leaves[id(t)] = f"input:{i}"
+        return Recorder(leaves, self.module)
+
+    def _entry(self, st: Structure, rec: Recorder, x: torch.Tensor) -> _Entry:
+        """How to put a probe into a layer inside a wrapper: the arguments that carry its
+        hidden states (found by identity on a second, identical run) and their layout."""
+        node = st.input_node
+        # the latest tensor made before the layer's call (or first seen inside it, a leaf)
+        ancestors = _tainted_ancestors(rec, node)
+        before = [i for i in ancestors if i < st.call.start or rec.ops[i].leaf is not None]
+        hidden = rec._alive[max(before)] if before else rec._alive[node]
+        value = hidden.detach().clone()
+        module = st.call.module
+        positions: list = []
+
+        def grab(mod, args, kwargs):
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor) and a.shape == value.shape and torch.equal(a, value):
+                    positions.append(i)
+            for k, a in kwargs.items():
+                if isinstance(a, torch.Tensor) and a.shape == value.shape and torch.equal(a, value):
+                    positions.append(k)
+            raise _Captured(None)
+
+        handle = module.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            self._invoke_root(x)
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        b, n = x.shape[:2]
+        if not positions or value.dim() != 3 or value.shape[:2] not in ((b, n), (n, b)):
+            raise AttnScopeError(
+                f"{self.tgt.text}: found its attention in {st.layer!r}, which receives its "
+                f"input as {describe(value)}; expected (batch, tokens, d) or (tokens, batch, "
+                "d) passed as an argument"
+            )
+        return _Entry(module, st.layer, positions, value.shape[:2] == (n, b))
+
+    # ------------------------------------------------------------------ calling
+    def _adapter(self, m: nn.Module) -> dict:
+        """How to call the target: f(x), f(x, x, x), tokens-first, or with an HF mask."""
+        try:
+            params = [
+                p
+                for p in inspect.signature(m.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            params = []
+        required = [p for p in params if p.default is inspect.Parameter.empty]
+        # tokens first, (T, B, d): torch's default, and any module that says so
+        seq_first = getattr(m, "batch_first", True) is False
+        hf = type(m).__module__.startswith("transformers") and any(
+            p.name == "attention_mask" for p in params
+        )
+        return {
+            "qkv": len(required) >= 3,
+            "pair": len(required) == 2,
+            "seq_first": seq_first,
+            "hf": hf,
+        }
+
+    def _invoke(self, x32: torch.Tensor, causal_hint: bool = False):
+        if self.entry is not None:
+            return self._invoke_layer(x32)
+        return self._invoke_root(x32, causal_hint)
+
+    def _invoke_root(self, x32: torch.Tensor, causal_hint: bool = False, second: bool = False):
+        a = self.adapter
+        inp = x32
+        batched = x32.dim() == 3
+        if a["seq_first"] and batched:
+            inp = x32.transpose(0, 1)
+        kwargs = {}
+        if a["hf"] and causal_hint:
+            n = x32.shape[-2]
+            mask = torch.zeros(n, n).masked_fill(
+                torch.ones(n, n, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min
+            )
+            kwargs["attention_mask"] = mask.expand(x32.shape[0] if batched else 1, 1, n, n)
+        if a["qkv"]:
+            args = (inp, inp, inp)
+        elif a["pair"]:  # a second input: another sequence in discovery (cross-attention?)
+            other = torch.randn(inp.shape, generator=self.discovery_gen) if second else inp
+            args = (inp, other)
+        else:
+            args = (inp,)
+        result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
+        if err is not None:
+            return None, err
+        out = first_tensor(result)
+        if not isinstance(out, torch.Tensor):
+            raise AttnScopeError(
+                f"{self.tgt.text}: expected the module to return a tensor (or a tuple whose first "
+                f"element is one), got {describe(out)}"
+            )
+        if a["seq_first"] and batched and out.dim() == 3:
+            out = out.transpose(0, 1)
+        return out, None
+
+    def _root_input(self, b: int, n: int) -> torch.Tensor:
+        """The wrapper's own input for a probe of this size (the same every time)."""
+        if (b, n) not in self._root_inputs:
+            d = self._root_width
+            self._root_inputs[(b, n)] = torch.randn(b, n, d, generator=self.discovery_gen)
+        return self._root_inputs[(b, n)]
+
+    def _invoke_layer(self, x32: torch.Tensor):
+        """Run the wrapper; swap the layer's hidden states for ``x32`` on the way in, take its
+        output on the way out."""
+        e = self.entry
+        if x32.dim() != 3:
+            return None, "a layer inside a wrapper is probed with batched input only"
+        sub = x32.transpose(0, 1) if e.tokens_first else x32
+
+        def swap(mod, args, kwargs):
+            args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
+            kwargs = {k: sub if k in e.positions else v for k, v in kwargs.items()}
+            return args, kwargs
+
+        def take(mod, args, out):
+            raise _Captured(out)
+
+        hooks = [
+            e.module.register_forward_pre_hook(swap, with_kwargs=True),
+            e.module.register_forward_hook(take),
+        ]
+        try:
+            _, err = self._invoke_root(self._root_input(*x32.shape[:2]))
+        except _Captured as got:
+            out = first_tensor(got.output)
+            if not isinstance(out, torch.Tensor):
+                raise AttnScopeError(
+                    f"{self.tgt.text}: expected {e.path!r} to return a tensor (or a tuple whose "
+                    f"first element is one), got {describe(out)}"
+                ) from None
+            if e.tokens_first and out.dim() == 3:
+                out = out.transpose(0, 1)
+            return out, None
+        finally:
+            for h in hooks:
+                h.remove()
+        return None, err or f"{e.path!r} was not called"
+
+    def _probe(self, x: torch.Tensor, causal_hint: bool = False) -> list[Call]:
+        """Call batched, then each sequence alone; keep every call that works."""
+        self.causal_hint = causal_hint
+        calls: list[Call] = []
+        errors = []
+        rec = self._recorder(x)
+        with rec:
+            out, err = self._invoke(x, causal_hint)
+        if err is None:
+            self._expect_shape(out, x)
+            calls.append(Call(x.double(), out.double(), True, rec.ops, rebuild_sdpa(rec), rec.sdpa))
+        else:
+            errors.append(f"batched input {fmt_shape(x.shape)}: {err}")
+        if self.entry is None:
+            x1 = x[0]
+            rec1 = self._recorder(x1)
+            with rec1:
+                out1, err1 = self._invoke(x1, causal_hint)
+            if err1 is None and not self._shape_ok(out1, x1):
+                # (tokens, d) read as a batch of tokens: say so, and go on batched
+                err1 = f"it returns {describe(out1)}, not one row per token"
+            if err1 is None:
+                calls.append(
+                    Call(
+                        x[:1].double(),
+                        out1.double().unsqueeze(0),
+                        False,
+                        rec1.ops,
+                        rebuild_sdpa(rec1),
+                        rec1.sdpa,
+                    )
+                )
+            else:
+                errors.append(f"unbatched input {fmt_shape(x1.shape)}: {err1}")
+        if not calls:
+            raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors))
+        self.notes = [n for n in self.notes if "accepts only" not in n]
+        if len(calls) == 1 and errors:
+            which = "batched" if calls[0].batched else "unbatched"
+            self.notes.append(f"accepts only {which} input ({errors[0]})")
+        return calls
+
+    @staticmethod
+    def _shape_ok(out: torch.Tensor, x: torch.Tensor) -> bool:
+        return out.dim() == x.dim() and out.shape[:-1] == x.shape[:-1] and out.is_floating_point()
+
+    def _expect_shape(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        if not self._shape_ok(out, x):
+            raise AttnScopeError(
+                f"{self.tgt.text}: expected an output with one row per token, shape "
+                f"{fmt_shape((*x.shape[:-1], 'd_out'))}, got {describe(out)}"
+            )
+
+    # ------------------------------------------------------------------ sizes and kind
     def _context_limit(self) -> int | None:
-        m = self.module
-        for attr in (
-            "context_length",
-            "block_size",
-            "max_seq_len",
-            "max_len",
-            "n_positions",
-            "max_position_embeddings",
-            "n_ctx",
-        ):
-            v = getattr(m, attr, None)
-            if isinstance(v, int) and not isinstance(v, bool):
-                return v
-        cfg = getattr(m, "config", None)
-        for attr in ("n_positions", "max_position_embeddings"):
-            v = getattr(cfg, attr, None)
-            if isinstance(v, int):
-                return v
-        for _name, buf in m.named_buffers():
+        """The longest input the module takes (a probe-size bound, never a verdict)."""
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in (m, self.module, getattr(m, "config", None)):
+            for attr in (
+                "context_length",
+                "block_size",
+                "max_seq_len",
+                "max_len",
+                "n_positions",
+                "max_position_embeddings",
+                "n_ctx",
+            ):
+                v = getattr(holder, attr, None)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
+        for _name, buf in self.module.named_buffers():
             if buf.dim() >= 2 and buf.shape[-1] == buf.shape[-2] and buf.shape[-1] > 1:
                 return buf.shape[-1]
         return None
@@ -170,160 +446,44 @@ class ModuleProbe:
                 return n
         return max(2, min(limit or 7, 7))
 
-    def _adapter(self):
-        """How to call the module: f(x), f(x, x, x), tokens-first, or with an HF mask."""
-        m = self.module
-        try:
-            params = [
-                p
-                for p in inspect.signature(m.forward).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-        except (TypeError, ValueError):
-            params = []
-        required = [p for p in params if p.default is inspect.Parameter.empty]
-        qkv = len(required) >= 3
-        # tokens first, (T, B, d): torch's default, and any module that says so
-        seq_first = getattr(m, "batch_first", True) is False
-        hf = type(m).__module__.startswith("transformers") and any(
-            p.name == "attention_mask" for p in params
-        )
-        return {"qkv": qkv, "seq_first": seq_first, "hf": hf}
-
-    def _invoke(self, x32: torch.Tensor, causal_hint: bool = False):
-        a = self.adapter
-        inp = x32
-        batched = x32.dim() == 3
-        if a["seq_first"] and batched:
-            inp = x32.transpose(0, 1)
-        kwargs = {}
-        if a["hf"] and causal_hint:
-            n = x32.shape[-2]
-            mask = torch.zeros(n, n).masked_fill(
-                torch.ones(n, n, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min
-            )
-            kwargs["attention_mask"] = mask.expand(x32.shape[0] if batched else 1, 1, n, n)
-        args = (inp, inp, inp) if a["qkv"] else (inp,)
-        result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
-        if err is not None:
-            return None, err
-        out = first_tensor(result)
-        if not isinstance(out, torch.Tensor):
-            raise AttnScopeError(
-                f"{self.tgt.text}: expected the module to return a tensor (or a tuple whose first "
-                f"element is one), got {describe(out)}"
-            )
-        if a["seq_first"] and batched and out.dim() == 3:
-            out = out.transpose(0, 1)
-        return out, None
-
-    def _probe(self, x: torch.Tensor, causal_hint: bool = False) -> list[Call]:
-        """Call batched, then each sequence alone; keep every call that works."""
-        self.causal_hint = causal_hint
-        calls: list[Call] = []
-        errors = []
-        rec = Recorder()
-        with rec:
-            out, err = self._invoke(x, causal_hint)
-        if err is None:
-            self._expect_shape(out, x)
-            calls.append(Call(x.double(), out.double(), True, rec.ops, rebuild_sdpa(rec), rec.sdpa))
-        else:
-            errors.append(f"batched input {fmt_shape(x.shape)}: {err}")
-        rec1 = Recorder()
-        with rec1:
-            out1, err1 = self._invoke(x[0], causal_hint)
-        if err1 is None:
-            self._expect_shape(out1, x[0])
-            calls.append(
-                Call(
-                    x[:1].double(),
-                    out1.double().unsqueeze(0),
-                    False,
-                    rec1.ops,
-                    rebuild_sdpa(rec1),
-                    rec1.sdpa,
-                )
-            )
-        else:
-            errors.append(f"unbatched input {fmt_shape(x[0].shape)}: {err1}")
-        if not calls:
-            raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors))
-        if len(calls) == 1:
-            self.notes = [n for n in self.notes if "accepts only" not in n]
-            which = "batched" if calls[0].batched else "unbatched"
-            self.notes.append(f"accepts only {which} input ({errors[0]})")
-        return calls
-
-    def _expect_shape(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        if out.dim() != x.dim() or out.shape[:-1] != x.shape[:-1] or not out.is_floating_point():
-            raise AttnScopeError(
-                f"{self.tgt.text}: expected an output with one row per token, shape "
-                f"{fmt_shape((*x.shape[:-1], 'd_out'))}, got {describe(out)}"
-            )
-
-    def _infer_kind(self, binding: Binding | None, tokens: int, d_in: int) -> tuple[str, str]:
-        m = self.module
-        if binding is None:
-            return "simplified", "it has no trainable weights"
+    def _infer_kind(self, binding: Binding, st: Structure, tokens: int) -> tuple[str, str]:
         reasons = []
-        if binding.num_heads is None:
-            seen = self._heads_seen(tokens, binding.d_out)
-            if seen is not None:
-                binding.num_heads = seen
-                binding.source += f"; {seen} heads seen in its computation"
-        multi = (binding.num_heads or 1) > 1 or isinstance(m, nn.MultiheadAttention)
+        heads = binding.num_heads
+        multi = (heads or 1) > 1
         if multi:
-            reasons.append(f"{binding.num_heads} heads ({binding.source})")
-        causal_why = self._static_causal()
-        if causal_why is None and self._behaves_causal(tokens, d_in):
+            reasons.append(f"{heads} heads of {binding.d_out // heads} ({binding.source})")
+        causal_why = st.causal or self._declared_causal()
+        if causal_why is None and self._behaves_causal(binding.d_in):
             causal_why = "its outputs do not change when later tokens change"
         if causal_why:
             reasons.append(f"causal: {causal_why}")
-            if multi and self.adapter["hf"]:
+            if multi and self.adapter["hf"] and self.entry is None:
                 self.calls = self._probe(self.calls[0].x.float(), causal_hint=True)
         kind = ("causal-" if causal_why else "") + ("multihead" if multi else "self")
         if kind == "causal-self":
             kind = "causal"
         if not multi:
-            reasons.append("one head")
+            reasons.append(f"one head ({binding.source})")
         return kind, "; ".join(reasons)
 
-    def _heads_seen(self, tokens: int, d_out: int) -> int | None:
-        """Heads from the computation: a fused call's (B, H, T, hd) query, or a
-        (B, T, H, hd) / (B, H, T, hd) view of the projections."""
-        call = self.calls[0]
-        for op in call.sdpa_ops:
-            t = op.output
-            if t.dim() == 4 and t.shape[-2] == tokens and t.shape[1] > 1:
-                return t.shape[1]
-        for op in call.ops:
-            shape = tuple(op.output.shape)[-3:]
-            if len(shape) < 3:
-                continue
-            for h, n, hd in ((shape[1], shape[0], shape[2]), (shape[0], shape[1], shape[2])):
-                if n == tokens and h > 1 and h * hd == d_out and h != tokens:
-                    return h
-        return None
-
-    def _static_causal(self) -> str | None:
-        m = self.module
+    def _declared_causal(self) -> str | None:
+        """A causal layer whose computation shows no mask: it says so in a flag, or holds a
+        triangular mask it never applies (the check then names the missing mask)."""
+        m = self.entry.module if self.entry is not None else self.module
         for attr in ("is_causal", "causal"):
             v = getattr(m, attr, None)
             if isinstance(v, bool):
                 return f"{attr}={v}" if v else None
-        for name, buf in m.named_buffers(recurse=True):
+        for name, buf in m.named_buffers():
             if buf.dim() >= 2 and buf.shape[-1] == buf.shape[-2] and buf.shape[-1] > 1:
-                return f"a square buffer {name!r} {tuple(buf.shape)} (a causal mask)"
-        if self.tgt.init:
-            for key in self.tgt.init:
-                if key.lower() in ("context_length", "block_size", "max_seq_len", "n_positions"):
-                    return f"its constructor takes {key}"
-        if "causal" in type(m).__name__.lower():
-            return f"its name {type(m).__name__}"
+                sq = buf.reshape(-1, *buf.shape[-2:])[0].bool()
+                n = sq.shape[-1]
+                ones = torch.ones(n, n, dtype=torch.bool)
+                if any(torch.equal(sq, t) for t in (ones.triu(1), ones.tril(), ones.tril(-1))):
+                    return f"a triangular buffer {name!r} {tuple(buf.shape)} (a causal mask)"
         return None
 
-    def _behaves_causal(self, tokens: int, d_in: int) -> bool:
+    def _behaves_causal(self, d_in: int) -> bool:
         base = self.calls[0]
         x = base.x.float().clone()
         x[:, -2:] = torch.randn(x.shape[0], 2, d_in, generator=self.gen) * 3
@@ -332,6 +492,8 @@ class ModuleProbe:
         if err is not None:
             return False
         out = out.double() if base.batched else out.double().unsqueeze(0)
+        if out.shape != base.out.shape:
+            return False
         before, after = base.out[:, :-2], out[:, :-2]
         changed_late = not torch.allclose(base.out[:, -2:], out[:, -2:], atol=1e-5)
         return changed_late and torch.allclose(before, after, atol=1e-5, rtol=1e-4)
@@ -350,6 +512,7 @@ class ModuleProbe:
             (w, Spec(self.kind, b.d_in, b.d_out, h, b.has_out)) for h in heads for w in b.candidates
         ]
 
+    # ------------------------------------------------------------------ judging
     def _short_probe(self) -> list[Call] | None:
         """The same calls on a short input (see :meth:`Judge._explain_quickly`)."""
         notes, fixed = list(self.notes), self.fixed_tokens
@@ -366,7 +529,7 @@ class ModuleProbe:
     def _varies(self) -> tuple[Stage, str, str | None] | None:
         """Run the first call again: attention in eval mode must give the same output."""
         first = self.calls[0]
-        rec = Recorder()
+        rec = self._recorder(first.x)
         with rec:
             out, err = self._invoke(
                 first.x.float() if first.batched else first.x[0].float(), self.causal_hint
@@ -389,6 +552,18 @@ class ModuleProbe:
             msg += f". Look at {where}"
         return stage, msg, where
 
+    def _structure_report(self) -> dict:
+        st, b = self.structure, self.binding
+        heads = b.num_heads or 1
+        multi = self.kind in ("multihead", "causal-multihead")
+        return {
+            "heads": heads if multi else 1,
+            "kv_heads": (st.kv_heads or heads) if multi else 1,
+            "head_dim": b.d_out // heads if multi else b.d_out,
+            "causal": self.kind in ("causal", "causal-multihead"),
+            "cross": False,
+        }
+
     def _judge(self, options: list[tuple[Weights | None, Spec]]) -> CheckReport:
         judge = Judge(
             target=self.tgt.text,
@@ -400,4 +575,25 @@ class ModuleProbe:
             reprobe=self._short_probe,
         )
         judge.varies = self._varies()
-        return judge.run(options)
+        report = judge.run(options)
+        if self.structure is not None:
+            report.structure = self._structure_report()
+            report.layer = self.entry.path if self.entry is not None else None
+        return report
+
+
+def _tainted_ancestors(rec: Recorder, node: int) -> list[int]:
+    """The nodes a node was made from that descend from the probe input (itself included)."""
+    ops = rec.ops
+    tainted = [False] * (node + 1)
+    for op in ops[: node + 1]:  # ops come in the order they were made
+        leaf = op.leaf or ""
+        tainted[op.index] = leaf.startswith("input") or any(tainted[a] for a in op.args)
+    seen, stack = set(), [node]
+    while stack:
+        i = stack.pop()
+        if i in seen or not tainted[i]:
+            continue
+        seen.add(i)
+        stack.extend(ops[i].args)
+    return sorted(seen)

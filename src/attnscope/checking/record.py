@@ -1,43 +1,78 @@
-"""Record every tensor a target computes, with the line of its code that made it.
+"""Record every tensor a target computes, the tensors it was computed from, and the line of
+the target's code that made it.
 
 A :class:`torch.overrides.TorchFunctionMode` sees each torch function and tensor method
-the target calls, so nothing in the user's code has to change. Fused
-``scaled_dot_product_attention`` calls are recorded with their arguments, so that the
-stages they hide can be rebuilt.
+the target calls, so nothing in the user's code has to change. The record is a dataflow
+graph: every tensor is a node (:class:`Op`), made by an op from the nodes in its ``args``,
+or a leaf (the probe input, a parameter, a buffer, a constant made outside the record).
+Calls of the target's submodules are recorded as spans of that graph, so that an attention
+layer can be found inside a wrapper. Fused ``scaled_dot_product_attention`` calls keep
+their arguments, so that the stages they hide can be rebuilt.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Op", "SdpaCall", "Recorder", "short_path"]
+__all__ = ["Op", "ModuleCall", "SdpaCall", "Recorder", "short_path", "tensors_in"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(__file__))
-_SKIP_NAMES = {"__get__", "__set__", "size", "dim", "numel", "__len__", "is_floating_point"}
+# calls that return sizes, not tensors: nothing to record, and they are frequent
+_SKIP_NAMES = {"size", "dim", "numel", "__len__", "is_floating_point", "__set__", "stride"}
 
 
 @dataclass
 class Op:
-    """One recorded call: its name, output tensor and where the target called it."""
+    """One node of the record: a tensor, the call that made it and where the target made it.
+
+    ``args`` are the indices of the nodes the call took as tensors (the dataflow); a leaf
+    (the probe input, a parameter, a buffer, a constant) has none, and ``leaf`` says which.
+    ``func``, ``call_args`` and ``call_kwargs`` keep the call itself, so that a projection
+    can be re-run on other inputs.
+    """
 
     name: str
     output: torch.Tensor
     location: str | None
     index: int
     version: int = -1  # the tensor's _version when seen; -1 for tensors rebuilt by attnscope
+    args: tuple[int, ...] = ()
+    leaf: str | None = None
+    func: object = field(default=None, repr=False)
+    call_args: tuple = field(default=(), repr=False)
+    call_kwargs: dict = field(default_factory=dict, repr=False)
+    position: int = 0  # which output of a call that returns several (split, chunk)
 
     @property
     def stale(self) -> bool:
         """Changed in place since it was seen (its value then is gone; the new one is
         recorded again where it is used next)."""
         return self.version >= 0 and self.output._version != self.version
+
+    @property
+    def comparable(self) -> bool:
+        """A floating-point tensor with axes: what a stage can be."""
+        return self.output.is_floating_point() and self.output.dim() > 0
+
+
+@dataclass
+class ModuleCall:
+    """A call of one of the target's submodules: the ops in ``[start, end)`` ran inside it."""
+
+    path: str
+    module: nn.Module
+    start: int
+    end: int = -1
+    depth: int = 0
 
 
 @dataclass
@@ -52,6 +87,7 @@ class SdpaCall:
     scale: float | None
     output: torch.Tensor
     location: str | None
+    enable_gqa: bool = False
 
 
 def short_path(path: str) -> str:
@@ -76,45 +112,143 @@ def _user_location() -> str | None:
     return None
 
 
-class Recorder(TorchFunctionMode):
-    """Context manager that records floating-point op outputs and fused attention calls."""
+def tensors_in(obj: object) -> Iterator[torch.Tensor]:
+    """Every tensor in a call's arguments: bare, or inside lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item)
 
-    def __init__(self, limit: int = 20000):
+
+def _op_name(func) -> str:
+    name = getattr(func, "__name__", str(func))
+    if name == "__get__":  # a property such as x.T or x.mT: name it by the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class Recorder(TorchFunctionMode):
+    """Context manager that records the dataflow of a call.
+
+    Args:
+        leaves: tensors to label when they are first used, by identity: the probe input
+            (``"input"``), parameters (``"param:NAME"``), buffers (``"buffer:NAME"``).
+        root: the module whose submodule calls are recorded as :class:`ModuleCall` spans.
+        limit: the most nodes kept (a runaway loop stops being recorded, not the target).
+    """
+
+    def __init__(
+        self,
+        leaves: dict[int, str] | None = None,
+        root: nn.Module | None = None,
+        limit: int = 50000,
+    ):
         super().__init__()
         self.ops: list[Op] = []
         self.sdpa: list[SdpaCall] = []
+        self.modules: list[ModuleCall] = []
         self.limit = limit
-        self._seen: set[tuple[int, int]] = set()
+        self.leaves = leaves or {}
+        self._paths = {id(m): p for p, m in root.named_modules()} if root is not None else {}
+        self._node: dict[tuple[int, int], int] = {}
+        self._alive: list[torch.Tensor] = []  # keeps ids unique while the record lives
+        self._open: list[ModuleCall] = []
+        self._hooks: list = []
+
+    # ------------------------------------------------------------------ module spans
+    def __enter__(self):
+        if self._paths:
+            reg = nn.modules.module
+            self._hooks = [
+                reg.register_module_forward_pre_hook(self._enter_module),
+                reg.register_module_forward_hook(self._leave_module),
+            ]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for call in self._open:  # a call that raised never left
+            call.end = len(self.ops)
+        self._open = []
+        return super().__exit__(*exc)
+
+    def _enter_module(self, module, args):
+        path = self._paths.get(id(module))
+        if path is not None:
+            call = ModuleCall(path, module, len(self.ops), depth=len(self._open))
+            self.modules.append(call)
+            self._open.append(call)
+
+    def _leave_module(self, module, args, out):
+        if id(module) not in self._paths:
+            return
+        while self._open:
+            call = self._open.pop()
+            call.end = len(self.ops)
+            if call.module is module:
+                break
+
+    # ------------------------------------------------------------------ dataflow
+    def node_of(self, tensor: torch.Tensor) -> int | None:
+        """The node of ``tensor`` as it is now, if it was recorded."""
+        return self._node.get((id(tensor), tensor._version))
+
+    def _add(self, tensor, name, location, args=(), leaf=None, call=None, position=0) -> int:
+        func, cargs, ckwargs = call if call is not None else (None, (), {})
+        op = Op(
+            name,
+            tensor.detach(),  # no copy: a later in-place op marks this entry stale instead
+            location,
+            len(self.ops),
+            tensor._version,
+            tuple(args),
+            leaf,
+            func,
+            cargs,
+            ckwargs,
+            position,
+        )
+        self.ops.append(op)
+        self._alive.append(tensor)
+        self._node[(id(tensor), tensor._version)] = op.index
+        return op.index
+
+    def _arg_nodes(self, tensors: list[torch.Tensor], name: str, location) -> list[int]:
+        nodes = []
+        for t in tensors:
+            node = self.node_of(t)
+            if node is None:
+                node = self._add(t, f"input of {name}", location, leaf=self.leaves.get(id(t)))
+            nodes.append(node)
+        return nodes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = getattr(func, "__name__", str(func))
+        name = _op_name(func)
         if name in _SKIP_NAMES or len(self.ops) >= self.limit:
-            return out
+            return func(*args, **kwargs)
         location = _user_location()
+        inputs = list(tensors_in(args)) + list(tensors_in(kwargs))
+        before = [t._version for t in inputs]
+        arg_nodes = self._arg_nodes(inputs, name, location)
+        out = func(*args, **kwargs)
+        call = (func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             self._record_sdpa(args, kwargs, out, location)
-        # inputs too: a matrix filled in place element by element is seen only when used
-        for tensor in args:
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dim():
-                key = (id(tensor), tensor._version)
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self.ops.append(
-                        Op(
-                            f"input of {name}",
-                            tensor.detach(),
-                            location,
-                            len(self.ops),
-                            tensor._version,
-                        )
-                    )
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dim():
-                # no copy: a later in-place op (masked_fill_) marks this entry stale instead
-                self.ops.append(Op(name, tensor.detach(), location, len(self.ops), tensor._version))
-                self._seen.add((id(tensor), tensor._version))
+        # tensors changed in place (masked_fill_, out[:, i] = ..., add_) become new nodes
+        for t, v in zip(inputs, before, strict=True):
+            if t._version != v and self.node_of(t) is None:
+                self._add(t, name, location, arg_nodes, call=call)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for pos, t in enumerate(outs):
+            if isinstance(t, torch.Tensor) and self.node_of(t) is None:
+                self._add(t, name, location, arg_nodes, call=call, position=pos)
         return out
 
     def _record_sdpa(self, args, kwargs, out, location):
@@ -131,5 +265,6 @@ class Recorder(TorchFunctionMode):
                 bound.get("scale"),
                 out.detach(),
                 location,
+                bool(bound.get("enable_gqa", False)),
             )
         )

@@ -68,15 +68,24 @@ class CheckReport:
     checks: list[StageCheck]
     kind_reason: str = ""
     notes: list[str] = field(default_factory=list)
+    #: what the checker read from the computation: heads, kv_heads, head_dim, causal, cross
+    structure: dict | None = None
+    #: the dotted module path of the attention layer checked, when the target wraps it
+    layer: str | None = None
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "ok": self.ok,
             "kind": self.kind,
             "target": self.target,
             "first_failure": None if self.first_failure is None else self.first_failure.to_dict(),
             "checks": [c.to_dict() for c in self.checks],
         }
+        if self.structure is not None:
+            out["structure"] = self.structure
+        if self.layer is not None:
+            out["layer"] = self.layer
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

@@ -25,10 +25,21 @@ from torch import nn
 
 from ..errors import AttnScopeError, describe
 from ..stages import KINDS
-from .binding import HEAD_ATTRS
 from .record import short_path
 
 __all__ = ["Target", "load", "SIZES", "call_safely"]
+
+#: Constructor arguments that say how many heads (construction only: never a verdict).
+HEAD_ATTRS = (
+    "num_heads",
+    "n_heads",
+    "n_head",
+    "num_attention_heads",
+    "nhead",
+    "heads",
+    "h",
+    "head_count",
+)
 
 #: Probe sizes for classes we construct: all different from each other.
 SIZES = {"d_in": 10, "d_out": 12, "heads": 3, "head_dim": 4, "context": 9, "tokens": 7}
