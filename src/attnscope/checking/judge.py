@@ -55,6 +55,13 @@ class Call:
     ops: list[Op] = field(default_factory=list)
     sdpa_ops: list[Op] = field(default_factory=list)
     fused: list[SdpaCall] = field(default_factory=list)  # the fused calls, as made
+    probe: torch.Tensor | None = None  # what the target was given, where ``x`` differs
+
+    @property
+    def given(self) -> torch.Tensor:
+        """The input as the target was given it, ``(B, T, d)`` float64 (``x`` is what the
+        projections read: the same, unless the layer transforms its input first)."""
+        return self.x if self.probe is None else self.probe
 
 
 def _seen(found: Found | None, stage: Stage, per_head: bool, explained: bool = True) -> str:
@@ -98,6 +105,9 @@ class Judge:
         calls: at least one call; ``calls[0]`` is the one whose recording is reported.
         invoke: runs the target on a float32 input, ``(out, None)`` or ``(None, error)``.
         reprobe: a short probe of the same target (for fast diagnosis), or ``None``.
+        recorder: makes the recorder for a call on a given input.
+        reference_input: where the projections read a transform of the input (a norm
+            inside the layer), that transform's tensor in a call's record.
     """
 
     def __init__(
@@ -110,9 +120,12 @@ class Judge:
         calls: list[Call],
         invoke: _Invoke | None = None,
         reprobe: Callable[[], list[Call] | None] | None = None,
+        recorder: Callable[[torch.Tensor], Recorder] = lambda x: Recorder(),
+        reference_input: Callable[[Recorder, torch.Tensor], torch.Tensor] | None = None,
     ):
         self.target, self.kind, self.kind_reason, self.notes = target, kind, kind_reason, notes
         self.calls, self.invoke, self.reprobe = calls, invoke, reprobe
+        self.recorder, self.reference_input = recorder, reference_input
         self.spec: Spec | None = None
         self.w: Weights | None = None
         #: (stage, message, location) when the target's output is not deterministic
@@ -254,12 +267,15 @@ class Judge:
     def _large_probe(self) -> Failure | None:
         """Correct on normal inputs: does it stay finite where torch.softmax does?"""
         call = self.calls[0]
-        x = (call.x * LARGE).float()
-        rec = Recorder()
+        x = (call.given * LARGE).float()
+        x_in = x if call.batched else x[0]
+        rec = self.recorder(x_in)
         with rec:
-            out, err = self.invoke(x if call.batched else x[0])
+            out, err = self.invoke(x_in)
         if err is not None:
             return None
+        if self.reference_input is not None:  # the projections read a transform of x
+            x = self.reference_input(rec, x_in).reshape(x.shape).float()
         ref = pipeline(x.double(), self.spec, self.w)["output"]
         bad = ~torch.isfinite(out.double())
         if not bad.any() or (~torch.isfinite(ref)).any():

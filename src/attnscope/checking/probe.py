@@ -33,7 +33,7 @@ from .judge import Call, Judge
 from .record import Op, Recorder
 from .reference import Spec, Weights
 from .report import CheckReport
-from .structure import Structure, read_structure
+from .structure import Structure, projection_input, read_structure
 from .target import SIZES, Target, call_safely
 
 __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
@@ -132,6 +132,12 @@ class ModuleProbe:
             return self._run_weightless()
         st = self._discover()
         self.structure = st
+        if st.pre:
+            what = ", ".join(dict.fromkeys(op.name for op in st.pre))
+            self.notes.append(
+                f"its projections read the input after {what} (at {st.pre[0].location}): "
+                "the stages are checked from there"
+            )
         layer = self.entry.module if self.entry is not None else self.module
         if self.weights:
             binding = bind_names(layer, self.weights, st.heads)
@@ -195,7 +201,10 @@ class ModuleProbe:
                 if err is not None:
                     errors.append(f"input {fmt_shape(x.shape)}: {err}")
                     continue
-                st = read_structure(rec, self.module)
+                try:
+                    st = read_structure(rec, self.module)
+                except AttnScopeError as exc:
+                    raise type(exc)(f"{self.tgt.text}: {exc}") from None
                 self._root_width = d
                 if st.weightless:
                     raise AttnScopeError(
@@ -367,7 +376,17 @@ class ModuleProbe:
             out, err = self._invoke(x, causal_hint)
         if err is None:
             self._expect_shape(out, x)
-            calls.append(Call(x.double(), out.double(), True, rec.ops, rebuild_sdpa(rec), rec.sdpa))
+            calls.append(
+                Call(
+                    self._ref_x(rec, x),
+                    out.double(),
+                    True,
+                    rec.ops,
+                    rebuild_sdpa(rec),
+                    rec.sdpa,
+                    x.double(),
+                )
+            )
         else:
             errors.append(f"batched input {fmt_shape(x.shape)}: {err}")
         if self.entry is None:
@@ -381,12 +400,13 @@ class ModuleProbe:
             if err1 is None:
                 calls.append(
                     Call(
-                        x[:1].double(),
+                        self._ref_x(rec1, x1).unsqueeze(0),
                         out1.double().unsqueeze(0),
                         False,
                         rec1.ops,
                         rebuild_sdpa(rec1),
                         rec1.sdpa,
+                        x[:1].double(),
                     )
                 )
             else:
@@ -398,6 +418,22 @@ class ModuleProbe:
             which = "batched" if calls[0].batched else "unbatched"
             self.notes.append(f"accepts only {which} input ({errors[0]})")
         return calls
+
+    def _ref_x(self, rec: Recorder, x: torch.Tensor) -> torch.Tensor:
+        """The reference's input for a call: the probe, or what the projections read where
+        the layer transforms its input first (a norm inside the layer)."""
+        st = self.structure
+        if st is None or not st.pre:
+            return x.double()
+        found = projection_input(rec, st, x)
+        if found is None:
+            raise AttnScopeError(
+                f"{self.tgt.text}: could not find what its projections read in a second call"
+            )
+        return found.double()
+
+    def _reference_input(self, rec: Recorder, x: torch.Tensor) -> torch.Tensor:
+        return self._ref_x(rec, x).float()
 
     @staticmethod
     def _shape_ok(out: torch.Tensor, x: torch.Tensor) -> bool:
@@ -458,7 +494,7 @@ class ModuleProbe:
         if causal_why:
             reasons.append(f"causal: {causal_why}")
             if multi and self.adapter["hf"] and self.entry is None:
-                self.calls = self._probe(self.calls[0].x.float(), causal_hint=True)
+                self.calls = self._probe(self.calls[0].given.float(), causal_hint=True)
         kind = ("causal-" if causal_why else "") + ("multihead" if multi else "self")
         if kind == "causal-self":
             kind = "causal"
@@ -485,7 +521,7 @@ class ModuleProbe:
 
     def _behaves_causal(self, d_in: int) -> bool:
         base = self.calls[0]
-        x = base.x.float().clone()
+        x = base.given.float().clone()
         x[:, -2:] = torch.randn(x.shape[0], 2, d_in, generator=self.gen) * 3
         x_in = x if base.batched else x[0]
         out, err = self._invoke(x_in)
@@ -518,7 +554,7 @@ class ModuleProbe:
         notes, fixed = list(self.notes), self.fixed_tokens
         self.fixed_tokens = None
         try:
-            d_in = self.calls[0].x.shape[-1]
+            d_in = self.calls[0].given.shape[-1]
             x = torch.randn(BATCH, self._tokens(self.binding), d_in, generator=self.gen)
             return self._probe(x, self.causal_hint)
         except AttnScopeError:
@@ -529,11 +565,10 @@ class ModuleProbe:
     def _varies(self) -> tuple[Stage, str, str | None] | None:
         """Run the first call again: attention in eval mode must give the same output."""
         first = self.calls[0]
-        rec = self._recorder(first.x)
+        given = first.given.float() if first.batched else first.given[0].float()
+        rec = self._recorder(given)
         with rec:
-            out, err = self._invoke(
-                first.x.float() if first.batched else first.x[0].float(), self.causal_hint
-            )
+            out, err = self._invoke(given, self.causal_hint)
         if err is not None:
             return None
         out = out.double() if first.batched else out.double().unsqueeze(0)
@@ -573,6 +608,10 @@ class ModuleProbe:
             calls=self.calls,
             invoke=lambda x: self._invoke(x, self.causal_hint),
             reprobe=self._short_probe,
+            recorder=self._recorder,
+            reference_input=self._reference_input
+            if self.structure and self.structure.pre
+            else None,
         )
         judge.varies = self._varies()
         report = judge.run(options)

@@ -37,7 +37,14 @@ from ..errors import AttnScopeError
 from .compare import close
 from .record import ModuleCall, Op, Recorder, tensors_in
 
-__all__ = ["Projection", "Core", "Structure", "read_structure", "Unsupported"]
+__all__ = [
+    "Projection",
+    "Core",
+    "Structure",
+    "read_structure",
+    "projection_input",
+    "Unsupported",
+]
 
 T = torch.Tensor
 
@@ -170,6 +177,9 @@ class Structure:
     cores: list[Core]
     causal: str | None = None  # the evidence, with its line
     notes: list[str] = field(default_factory=list)
+    #: ops inside the layer between its input and what the projections read (a norm the
+    #: layer applies first): the stages are then checked from what the projections read
+    pre: list[Op] = field(default_factory=list)
 
     @property
     def weightless(self) -> bool:
@@ -341,7 +351,7 @@ def _rows_first(t: T, rows: list[int]) -> T:
     return t.permute(*rows, *rest).reshape(n, -1)
 
 
-def _by_basis(op: Op, x: T) -> tuple[T, T | None] | None:
+def _by_basis(op: Op, x: T, made: T) -> tuple[T, T | None] | None:
     """``(W, b)`` of any call that is affine in ``x`` row by row: re-run it on unit rows.
 
     The features are the axes the call sums over; the rows, the other axes of ``x``, which
@@ -351,7 +361,7 @@ def _by_basis(op: Op, x: T) -> tuple[T, T | None] | None:
     if features is None or op.func is None:
         return None
     x_rows = [i for i in range(x.dim()) if i not in features]
-    where = _row_axes(x, op.output, features)
+    where = _row_axes(x, made, features)
     if where is None:
         return None
     rows = math.prod(x.shape[i] for i in x_rows)
@@ -370,13 +380,13 @@ def _by_basis(op: Op, x: T) -> tuple[T, T | None] | None:
                 y = op.func(*_replace(op.call_args, x, probe), **_replace(op.call_kwargs, x, probe))
             except Exception:  # a call that cannot take other rows is not a projection
                 return None
-            if not isinstance(y, torch.Tensor) or y.shape != op.output.shape:
+            if not isinstance(y, torch.Tensor) or y.shape != made.shape:
                 return None
             ys.append(_rows_first(y, where)[: chunk.shape[0]].double())
     y = torch.cat(ys)
     b, w = y[0], y[1:] - y[0]
     got = _rows_first(x.detach().double(), x_rows) @ w + b
-    if not close(_rows_first(op.output, where), got, rtol=1e-3):
+    if not close(_rows_first(made, where), got, rtol=1e-3):
         return None  # not one affine map applied row by row
     return w, (None if bool((b == 0).all()) else b)
 
@@ -390,15 +400,19 @@ def _projection(g: _Graph, op: Op) -> Projection | None:
     if not any(g.param[a] for a in op.args):
         return None
     x = g.original(tainted[0])
+    made = op.output
+    if op.stale:  # changed in place since (q *= scale): what the call made, made again
+        with torch.no_grad():
+            made = op.func(*op.call_args, **op.call_kwargs)
+        if not isinstance(made, torch.Tensor):
+            return None
     found = _exact(op, x)
     if found is not None:  # confirm: the map read from the arguments makes the output
         w, b = found
         got = x.detach().double().reshape(-1, w.shape[0]) @ w + (0 if b is None else b)
-        if got.numel() != op.output.numel() or not close(
-            op.output.reshape(got.shape), got, rtol=1e-3
-        ):
+        if got.numel() != made.numel() or not close(made.reshape(got.shape), got, rtol=1e-3):
             found = None
-    found = found or _by_basis(op, x)
+    found = found or _by_basis(op, x, made)
     if found is None:
         return None
     w, b = found
@@ -719,8 +733,24 @@ class _Reader:
             head_dim=head_dim,
             cores=cores,
         )
+        s.pre = self._pre(s)
         _Features(self, s, after_context).find()
         return s
+
+    def _pre(self, s: Structure) -> list[Op]:
+        """Transforms of the input inside the layer before the projections (not layout)."""
+        if s.input_node is None or not s.roles["q"]:
+            return []
+        start = s.call.start if s.call is not None else 0
+        inputs = {p.input_node for ps in s.roles.values() for p in ps}
+        if len(inputs) != 1:
+            return []
+        found = [
+            self.ops[i]
+            for i in sorted(self._ancestors(s.input_node))
+            if i >= start and self.ops[i].leaf is None
+        ]
+        return found if any(op.name not in _STRUCTURAL for op in found) else []
 
     def _width(self, roles, shared, role) -> int:
         projs = roles[role]
@@ -892,6 +922,31 @@ class _Reader:
 # ------------------------------------------------------------------------------ features
 
 
+def projection_input(rec: Recorder, st: Structure, like: T) -> T | None:
+    """In another call's record, what the query projection read, laid out as ``like``
+    ``(batch, tokens, d)``: the reference input of a layer that transforms its input first."""
+    q = st.roles["q"][0]
+    g = _Graph(rec)
+    for op in rec.ops:
+        if op.name != q.op.name or op.leaf is not None or not g.tainted[op.index]:
+            continue
+        if g.params_of(op) != q.params:
+            continue
+        tainted = g.tainted_args(op)
+        if len(tainted) != 1:
+            continue
+        t = g.original(tainted[0]).detach()
+        b, n = like.shape[0], like.shape[-2]
+        d = t.shape[-1]
+        if t.shape[:-1] == like.shape[:-1]:
+            return t
+        if t.dim() == 3 and t.shape[:2] == (n, b):
+            return t.transpose(0, 1)
+        if t.numel() == b * n * d:
+            return t.reshape(*like.shape[:-1], d)
+    return None
+
+
 def _mask_shape(hidden: T) -> tuple[str, int] | None:
     """What a hidden-cells pattern is, on its last two axes: ``("causal", d)`` when it hides
     keys ``j - i >= d``, ``("anti-causal", d)`` when it hides ``j - i <= d``, ``("window",
@@ -955,9 +1010,15 @@ class _Features:
                     )
 
     def _path(self, node: int, stops: set[int]) -> list[Op]:
-        """The ops between the projections (or the input) and a core operand."""
-        seen = self.r._ancestors(node, stop=stops)
-        return [self.ops[i] for i in sorted(seen) if i not in stops and self.ops[i].leaf is None]
+        """The ops between the projections (or the layer's input) and a core operand."""
+        start = self.s.call.start if self.s.call is not None else 0
+        before = {op.index for op in self.ops[:start]}
+        seen = self.r._ancestors(node, stop=stops | before)
+        return [
+            self.ops[i]
+            for i in sorted(seen)
+            if i not in stops and i >= start and self.ops[i].leaf is None
+        ]
 
     def _qk_path(self, role: str, node: int) -> None:
         stops = {p.op.index for ps in self.s.roles.values() for p in ps}
