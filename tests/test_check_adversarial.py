@@ -15,8 +15,6 @@ CASES = expectations(ROOT / "tests" / "adversarial")
 @pytest.mark.parametrize("infer", [False, True], ids=["given-kind", "inferred-kind"])
 @pytest.mark.parametrize("path,expect", CASES, ids=[p.stem for p, _ in CASES])
 def test_adversarial_case(path, expect, infer):
-    if infer and expect.get("kind_inferable") is False:
-        pytest.skip("a known limit of kind inference: the causal mask comes after the softmax")
     kind = None if infer else expect["kind"]
     report = check(target_of(path, expect), kind=kind, init=expect.get("init"))
     assert outcome(report) == wanted(expect), report.to_text(color=False)

@@ -42,7 +42,6 @@ def llama_attention():
 
 
 EXPECT = {
-    "kind_inferable": False,
     "target": "llama_attention",
     "kind": "causal-multihead",
     "ok": False,

@@ -126,6 +126,9 @@ class Judge:
         self.target, self.kind, self.kind_reason, self.notes = target, kind, kind_reason, notes
         self.calls, self.invoke, self.reprobe = calls, invoke, reprobe
         self.recorder, self.reference_input = recorder, reference_input
+        #: the scores' line names the keys before the queries (a tie-break between two
+        #: readings of the same numbers: see :func:`.structure.keys_named_first`)
+        self.keys_named_first = False
         self.spec: Spec | None = None
         self.w: Weights | None = None
         #: (stage, message, location) when the target's output is not deterministic
@@ -349,7 +352,9 @@ class Judge:
         ref_outs = [pipeline(c.x, self.spec, self.w)["output"] for c in calls]
         tokens = calls[0].x.shape[1]
         batch = max(c.x.shape[0] for c in calls)
-        combined = self.w is not None and "[q|k|v]" in self.w.source
+        # one combined weight: queries and keys exchanged reads as chunks taken in the wrong
+        # order, unless the line that makes the scores names the keys first (k @ q^T)
+        combined = self.w is not None and "[q|k|v]" in self.w.source and not self.keys_named_first
         biases = (None, None, None) if self.w is None else (self.w.bq, self.w.bk, self.w.bv)
         candidates = mutations(self.spec, tokens, batch, combined_qkv=combined, biases=biases)
         projs = [project(c.x, self.spec, self.w) for c in calls]

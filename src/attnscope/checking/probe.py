@@ -33,7 +33,7 @@ from .judge import Call, Judge
 from .record import Op, Recorder
 from .reference import Spec, Weights
 from .report import CheckReport
-from .structure import Structure, projection_input, read_structure
+from .structure import Structure, keys_named_first, projection_input, read_structure
 from .target import SIZES, Target, call_safely
 
 __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
@@ -192,12 +192,18 @@ class ModuleProbe:
         attention's structure from that call."""
         tokens = self._tokens(None)
         errors: list[str] = []
-        for d in self._widths():
+        widths = self._widths()
+        # a second required input (cross-attention?): another sequence, of any width
+        others = widths if self.adapter["pair"] else [None]
+        for d, d2 in [(d, d2) for d in widths for d2 in others][:24]:
             batch = torch.randn(BATCH, tokens, d, generator=self.discovery_gen)
             for x in (batch, batch[0]):  # some take only (tokens, d)
-                rec = self._recorder(x)
+                other = None
+                if d2 is not None:
+                    other = torch.randn(*x.shape[:-1], d2, generator=self.discovery_gen)
+                rec = self._recorder(x) if other is None else self._recorder(x, other)
                 with rec:
-                    out, err = self._invoke_root(x, second=self.adapter["pair"])
+                    out, err = self._invoke_root(x, other=other)
                 if err is not None:
                     errors.append(f"input {fmt_shape(x.shape)}: {err}")
                     continue
@@ -289,7 +295,9 @@ class ModuleProbe:
             return self._invoke_layer(x32)
         return self._invoke_root(x32, causal_hint)
 
-    def _invoke_root(self, x32: torch.Tensor, causal_hint: bool = False, second: bool = False):
+    def _invoke_root(
+        self, x32: torch.Tensor, causal_hint: bool = False, other: torch.Tensor | None = None
+    ):
         a = self.adapter
         inp = x32
         batched = x32.dim() == 3
@@ -305,8 +313,7 @@ class ModuleProbe:
         if a["qkv"]:
             args = (inp, inp, inp)
         elif a["pair"]:  # a second input: another sequence in discovery (cross-attention?)
-            other = torch.randn(inp.shape, generator=self.discovery_gen) if second else inp
-            args = (inp, other)
+            args = (inp, inp if other is None else other)
         else:
             args = (inp,)
         result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
@@ -520,19 +527,26 @@ class ModuleProbe:
         return None
 
     def _behaves_causal(self, d_in: int) -> bool:
+        """Outputs that ignore later tokens and heed earlier ones."""
         base = self.calls[0]
-        x = base.given.float().clone()
-        x[:, -2:] = torch.randn(x.shape[0], 2, d_in, generator=self.gen) * 3
-        x_in = x if base.batched else x[0]
-        out, err = self._invoke(x_in)
-        if err is not None:
+
+        def changed(positions: slice) -> torch.Tensor | None:
+            x = base.given.float().clone()
+            n = x[:, positions].shape[1]
+            x[:, positions] = torch.randn(x.shape[0], n, d_in, generator=self.gen) * 3
+            out, err = self._invoke(x if base.batched else x[0])
+            if err is not None:
+                return None
+            out = out.double() if base.batched else out.double().unsqueeze(0)
+            return out if out.shape == base.out.shape else None
+
+        late, early = changed(slice(-2, None)), changed(slice(0, 1))
+        if late is None or early is None:
             return False
-        out = out.double() if base.batched else out.double().unsqueeze(0)
-        if out.shape != base.out.shape:
-            return False
-        before, after = base.out[:, :-2], out[:, :-2]
-        changed_late = not torch.allclose(base.out[:, -2:], out[:, -2:], atol=1e-5)
-        return changed_late and torch.allclose(before, after, atol=1e-5, rtol=1e-4)
+        ignores_later = torch.allclose(base.out[:, :-2], late[:, :-2], atol=1e-5, rtol=1e-4)
+        changed_late = not torch.allclose(base.out[:, -2:], late[:, -2:], atol=1e-5)
+        heeds_earlier = not torch.allclose(base.out[:, -1], early[:, -1], atol=1e-5)
+        return ignores_later and changed_late and heeds_earlier
 
     def _specs(self, b: Binding) -> list[tuple[Weights, Spec]]:
         multi = self.kind in ("multihead", "causal-multihead")
@@ -614,6 +628,7 @@ class ModuleProbe:
             else None,
         )
         judge.varies = self._varies()
+        judge.keys_named_first = self.structure is not None and keys_named_first(self.structure)
         report = judge.run(options)
         if self.structure is not None:
             report.structure = self._structure_report()

@@ -112,6 +112,7 @@ class Mutation:
     qkv: Callable[[T, T, T], tuple[T, T, T]] | None = None
     split: Callable[[T, int], T] | None = None
     flatten_batch: bool = False
+    swap_batch: bool = False  # batch and tokens exchanged: attention across the batch
     scores: Callable[[T, T], T] | None = None
     scale: float | None = None
     mask: Callable[[T], T] | None = None
@@ -161,6 +162,8 @@ def pipeline(
     q, k, v = proj if proj is not None else project(x, spec, w)
     if mut.qkv is not None:
         q, k, v = mut.qkv(q, k, v)
+    if mut.swap_batch:  # (B, T, D) read as (T, B, D): each position attends across the batch
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     heads = spec.num_heads
     cut = mut.split or split
     qh, kh, vh = cut(q, heads), cut(k, heads), cut(v, heads)
@@ -206,6 +209,8 @@ def pipeline(
     out = merged
     if spec.has_out and not mut.skip_out:
         out = _lin(merged, w.o, w.bo)
+    if mut.swap_batch:
+        out = out.transpose(0, 1)
     stages = {
         Stage.QUERIES.value: qh,
         Stage.KEYS.value: kh,
@@ -494,6 +499,15 @@ def mutations(
                     q @ k.transpose(0, 1).reshape(1, k.shape[1], -1, k.shape[-1]).mT
                 ),
                 context=lambda w, v: w @ v.transpose(0, 1).reshape(1, v.shape[1], -1, v.shape[-1]),
+            )
+        )
+        ms.append(
+            Mutation(
+                "batch_mixing",
+                S.SCORES,
+                "batch and tokens exchanged (a (batch, tokens, d) input read as (tokens, "
+                "batch, d): batch_first=False?): each position attends across the batch",
+                swap_batch=True,
             )
         )
         ms.append(

@@ -25,6 +25,7 @@ Names play no part in any of it; they only label the report (:attr:`Projection.s
 
 from __future__ import annotations
 
+import linecache
 import math
 import re
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ __all__ = [
     "Structure",
     "read_structure",
     "projection_input",
+    "keys_named_first",
     "Unsupported",
 ]
 
@@ -710,7 +712,7 @@ class _Reader:
         if head_dim <= 1 and cores[0].v_node is not None:  # scores not made by a product
             head_dim = self.ops[cores[0].v_node].output.shape[-1]
         heads = kv_heads = None
-        widths = {r: self._width(roles, shared, r) for r in ("q", "k", "v")}
+        widths = self._widths(roles, shared, cores)
         if cores[0].fused is not None and cores[0].fused.output.dim() >= 3:
             q_arg = self.ops[cores[0].q_node].output
             k_arg = self.ops[cores[0].k_node].output
@@ -752,16 +754,25 @@ class _Reader:
         ]
         return found if any(op.name not in _STRUCTURAL for op in found) else []
 
-    def _width(self, roles, shared, role) -> int:
-        projs = roles[role]
-        if not projs:
-            return 0
-        if role in shared:
-            owner = shared[role]
-            n = 1 + sum(1 for r, o in shared.items() if o == owner)
-            return sum(p.width for p in projs) // n
-        n = 1 + sum(1 for o in shared.values() if o == role)
-        return sum(p.width for p in projs) // n
+    def _widths(self, roles, shared, cores) -> dict[str, int]:
+        """How many features each role has, all heads together. One combined weight is cut
+        by what the queries read from it (a multi-query weight is not cut in thirds)."""
+        total = {r: sum(p.width for p in roles[r]) for r in ("q", "k", "v")}
+        if not shared:
+            return total
+        read = self._read_width(roles["q"], [c.q_node for c in cores])
+        if shared.get("k") == "q" and shared.get("v") == "q":
+            rest = total["q"] - read
+            return {"q": read, "k": rest // 2, "v": rest // 2}
+        if shared.get("v") == "k":
+            return {"q": total["q"], "k": total["k"] // 2, "v": total["k"] // 2}
+        return {"q": read, "k": total["q"] - read, "v": total["v"]}
+
+    def _read_width(self, projs: list[Projection], nodes: list[int]) -> int:
+        """Features per row in the given operands, rows counted as the projections make
+        them (a (B, H, T, hd) operand of a (B, T, 3*d) projection reads H*hd)."""
+        rows = projs[0].op.output.numel() // projs[0].width
+        return sum(self.ops[n].output.numel() for n in set(nodes)) // max(rows, 1)
 
     def _shared(self, roles, cores) -> dict[str, str]:
         """Roles cut from the very same call as an earlier role (one combined weight).
@@ -781,10 +792,7 @@ class _Reader:
 
     def _reused(self, projs: list[Projection], cores: list[Core]) -> bool:
         """Whether the queries read the projections' whole width (one tensor used twice)."""
-        out = projs[0].op.output
-        rows = out.numel() // projs[0].width
-        seen = {c.q_node for c in cores}
-        width = sum(self.ops[n].output.numel() for n in seen) // max(rows, 1)
+        width = self._read_width(projs, [c.q_node for c in cores])
         return width >= sum(p.width for p in projs)
 
     def _sequential(self, cores: list[Core]) -> bool:
@@ -922,6 +930,39 @@ class _Reader:
 # ------------------------------------------------------------------------------ features
 
 
+def _statement(path: str, line: int, most: int = 8) -> str:
+    """The source statement starting at ``line``: its lines until the brackets close."""
+    text, depth = "", 0
+    for i in range(line, line + most):
+        part = linecache.getline(path, i)
+        if not part:
+            break
+        text += part
+        depth += part.count("(") + part.count("[") - part.count(")") - part.count("]")
+        if depth <= 0:
+            break
+    return text
+
+
+def keys_named_first(st: Structure) -> bool:
+    """Whether the line that makes the scores names a key operand before a query one
+    (``torch.baddbmm(s, key, query.mT)``, ``k @ q.transpose(-2, -1)``).
+
+    With one combined qkv weight, keys times queries and chunks unpacked in the wrong order
+    give the same numbers; only the code's own words tell which mistake was made.
+    """
+    core = st.cores[0]
+    op = core.score or core.fused
+    if op is None or not op.location or ":" not in op.location:
+        return False
+    path, _, line = op.location.rpartition(":")
+    text = _statement(path, int(line)) if line.isdigit() else ""
+    text = re.sub(r"^\s*[\w.,\[\]\s]+?=(?!=)", "", text)  # an assignment's target
+    words = re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text)
+    roles = [role_hint(w) for w in words if role_hint(w) in ("q", "k")]
+    return roles[:2] == ["k", "q"]
+
+
 def projection_input(rec: Recorder, st: Structure, like: T) -> T | None:
     """In another call's record, what the query projection read, laid out as ``like``
     ``(batch, tokens, d)``: the reference input of a layer that transforms its input first."""
@@ -979,7 +1020,7 @@ class _Features:
     def find(self) -> None:
         s = self.s
         self._cross()
-        if s.heads and s.kv_heads and s.kv_heads != s.heads and not s.shared:
+        if s.heads and s.kv_heads and s.kv_heads != s.heads:
             self._refuse(
                 f"grouped key/value heads ({s.heads} query heads, {s.kv_heads} key/value heads)",
                 s.roles["k"][0].op.location if s.roles["k"] else None,
