@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import __version__
+from .checking.engine import DEFAULT_TIMEOUT
 from .errors import SEED_MAX, SEED_MIN, AttnScopeError
 from .render import claim_output
 from .stages import MATRIX_STAGES
@@ -70,6 +71,21 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _timeout(text: str) -> float | None:
+    """``--timeout S``: a positive number of seconds, or 0 for none."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if value == 0:
+        return None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of seconds (0 for no limit), got {text!r}"
+        )
     return value
 
 
@@ -196,7 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("target", metavar="TARGET", help="the implementation to check")
     check.add_argument("--kind", choices=KINDS, help="the kind of attention (default: inferred)")
-    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as one JSON object (also when the check cannot be done: exit 2 "
+        'prints {"ok": false, "target": ..., "error": {"message": ...}})',
+    )
     check.add_argument(
         "--init",
         metavar="JSON",
@@ -205,7 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--seed", type=_seed, default=0, help="seed for the probe inputs (default 0)"
     )
-    check.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds")
+    check.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"give up when one call of the target takes more than S seconds (default "
+        f"{DEFAULT_TIMEOUT:g}; 0 for no limit)",
+    )
     check.add_argument(
         "--weights",
         metavar="query=NAME,key=NAME,value=NAME,out=NAME",
@@ -405,21 +433,30 @@ def _cmd_check(args) -> int:
 
     from .checking import check
 
-    html = _claim(args, args.html) if args.html else None
-    init = _parse_init(args.init)
-    weights = _parse_weights(args.weights)
-
-    # progress on a terminal only; piped output and --json stay clean
-    with Console(stderr=True).status(f"checking {args.target} ..."):
-        report = check(
-            args.target,
-            kind=args.kind,
-            init=init,
-            seed=args.seed,
-            timeout=args.timeout,
-            weights=weights,
-            tokens=args.tokens,
-        )
+    try:
+        html = _claim(args, args.html) if args.html else None
+        init = _parse_init(args.init)
+        weights = _parse_weights(args.weights)
+        # progress on a terminal only; the target's own prints go to stderr, so that
+        # standard output holds the report alone (one JSON object with --json)
+        with (
+            Console(stderr=True).status(f"checking {args.target} ..."),
+            contextlib.redirect_stdout(sys.stderr),
+        ):
+            report = check(
+                args.target,
+                kind=args.kind,
+                init=init,
+                seed=args.seed,
+                timeout=args.timeout,
+                weights=weights,
+                tokens=args.tokens,
+            )
+    except AttnScopeError as exc:
+        if args.json:  # exit 2 still prints one object: the contract's error report
+            error = {"ok": False, "target": args.target, "error": {"message": str(exc)}}
+            _emit(json.dumps(error, indent=2))
+        raise
     _emit(report.to_json() if args.json else report.to_text())
     if html is not None:
         report.to_html(str(html), overwrite=args.force)

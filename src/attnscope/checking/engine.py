@@ -21,10 +21,13 @@ from .mistakes import MISTAKES
 from .probe import ModuleProbe, first_tensor, fmt_shape, rebuild_sdpa
 from .record import Recorder
 from .reference import Spec, scores_kind_mutations
-from .report import CheckReport, Failure
+from .report import CheckReport, Failure, single_head
 from .target import SIZES, Target, call_safely, load
 
-__all__ = ["check"]
+__all__ = ["check", "DEFAULT_TIMEOUT"]
+
+#: seconds one call of the target may take before the check gives up (0 or None: no limit)
+DEFAULT_TIMEOUT = 60.0
 
 
 def check(
@@ -33,7 +36,7 @@ def check(
     kind: str | None = None,
     init: dict | None = None,
     seed: int = 0,
-    timeout: float | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
     weights: dict[str, str] | None = None,
     tokens: int | None = None,
 ) -> CheckReport:
@@ -47,7 +50,8 @@ def check(
         kind: one of :data:`~attnscope.stages.KINDS`; inferred (and the reason given) if omitted.
         init: constructor keyword arguments for a class; inferred from their names if omitted.
         seed: seeds construction and the probe inputs.
-        timeout: seconds each call of the target may take.
+        timeout: seconds each call of the target (and its import and construction) may
+            take; 0 or None for no limit.
         weights: roles to parameter/submodule paths (``{"query": "W_q", ...}``) where the
             weights cannot be found by their names.
         tokens: probe length; by default a small number that differs from every size.
@@ -63,6 +67,7 @@ def check(
         isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2
     ):
         raise AttnScopeError(f"--tokens: expected an integer of at least 2, got {tokens!r}")
+    timeout = timeout or None
     with _threads(1 if tokens is None or tokens <= _SMALL_PROBE else None):
         tgt = load(target, kind=kind, init=init, seed=seed, tokens=tokens, timeout=timeout)
         try:
@@ -136,9 +141,9 @@ class _FunctionCheck:
             )
         tokens, d = SIZES["tokens"], 5
         x = torch.randn(tokens, d, generator=self.gen)
-        if self.kind == "scores":
-            return self._scores(x)
-        return self._simplified(x)
+        report = self._scores(x) if self.kind == "scores" else self._simplified(x)
+        report.structure = single_head(d)
+        return report
 
     def _judge(self, calls: list[Call]) -> Judge:
         return Judge(

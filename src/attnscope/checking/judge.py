@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import AttnScopeError
 from ..stages import Dims, Stage, stages_for_kind
 from .compare import Found, close, find_stage
 from .mistakes import MISTAKES
@@ -56,6 +57,7 @@ class Call:
     sdpa_ops: list[Op] = field(default_factory=list)
     fused: list[SdpaCall] = field(default_factory=list)  # the fused calls, as made
     probe: torch.Tensor | None = None  # what the target was given, where ``x`` differs
+    record: Recorder | None = field(default=None, repr=False)  # the dataflow of the call
 
     @property
     def given(self) -> torch.Tensor:
@@ -108,6 +110,7 @@ class Judge:
         recorder: makes the recorder for a call on a given input.
         reference_input: where the projections read a transform of the input (a norm
             inside the layer), that transform's tensor in a call's record.
+        stage_of: the stage a recorded op belongs to (to say where NaN first appears).
     """
 
     def __init__(
@@ -122,10 +125,12 @@ class Judge:
         reprobe: Callable[[], list[Call] | None] | None = None,
         recorder: Callable[[torch.Tensor], Recorder] = lambda x: Recorder(),
         reference_input: Callable[[Recorder, torch.Tensor], torch.Tensor] | None = None,
+        stage_of: Callable[[Call, Op], Stage | None] | None = None,
     ):
         self.target, self.kind, self.kind_reason, self.notes = target, kind, kind_reason, notes
         self.calls, self.invoke, self.reprobe = calls, invoke, reprobe
         self.recorder, self.reference_input = recorder, reference_input
+        self.stage_of = stage_of
         #: the scores' line names the keys before the queries (a tie-break between two
         #: readings of the same numbers: see :func:`.structure.keys_named_first`)
         self.keys_named_first = False
@@ -323,8 +328,59 @@ class Judge:
             where = self._where(mut, stages, call)
             failure = Failure(mut.stage, mut.code, self._message(mut, where), where)
             return self._report(failure, found, refs, self._dims(call), user0, user)
+        self._check_shape(call)
+        if not bool(torch.isfinite(call.out).all()):
+            failure = self._non_finite(call)
+            return self._report(failure, found, refs, self._dims(call), explained=False)
         failure, user0 = self._fallback(found, refs, call)
         return self._report(failure, found, refs, self._dims(call), user0, explained=False)
+
+    def _check_shape(self, call: Call) -> None:
+        """An output of another shape that no known mistake explains cannot be judged."""
+        ref = pipeline(call.x, self.spec, self.w)["output"]
+        if call.out.shape == ref.shape:
+            return
+        want, got = ref.shape, call.out.shape
+        if not call.batched:
+            want, got = want[1:], got[1:]
+        raise AttnScopeError(
+            f"{self.target}: expected an output of shape ({', '.join(map(str, want))}) "
+            f"(one row per token, {ref.shape[-1]} features), got ({', '.join(map(str, got))})"
+        )
+
+    def _non_finite(self, call: Call) -> Failure:
+        """NaN or inf in the output that no known mistake explains: the stage where the first
+        non-finite value appears, and what it is."""
+        out = call.out
+        what = "NaN" if bool(torch.isnan(out).any()) else "inf"
+        count = int((~torch.isfinite(out)).sum())
+        first = None
+        for op in call.ops:
+            if op.leaf is not None or not op.comparable or op.stale:
+                continue
+            t = op.output
+            square = t.dim() >= 2 and t.shape[-1] == t.shape[-2]
+            # -inf is how masks hide keys: only NaN, +inf, or -inf outside a score matrix
+            if bool(torch.isnan(t).any() | torch.isposinf(t).any()) or (
+                not square and bool(torch.isneginf(t).any())
+            ):
+                first = op
+                break
+        stage = self.stage_of(call, first) if first is not None and self.stage_of else None
+        stage = stage or Stage.OUTPUT
+        code = "other"
+        if first is not None and first.name in ("exp", "exp2", "pow", "__pow__", "__rpow__"):
+            stage, code = Stage.WEIGHTS, "unstable_softmax"
+        msg = f"{stage.value}: the output holds {what} ({count} of {out.numel()} entries)"
+        if first is not None:
+            kind = "NaN" if bool(torch.isnan(first.output).any()) else "inf"
+            msg += f"; the first {kind} appears in {first.name}"
+            if first.location:
+                msg += f" at {first.location}"
+        msg += ", where the reference stays finite"
+        if code == "unstable_softmax":
+            msg += ": exp() overflows; subtract each row's maximum first, or use torch.softmax"
+        return Failure(stage, code, msg, first.location if first is not None else None)
 
     def _explain_quickly(self) -> tuple[Mutation, dict] | None:
         """Search the catalogue on a short probe, then confirm on the full one.

@@ -32,8 +32,14 @@ from .compare import close
 from .judge import Call, Judge
 from .record import Op, Recorder
 from .reference import Spec, Weights
-from .report import CheckReport
-from .structure import Structure, keys_named_first, projection_input, read_structure
+from .report import CheckReport, single_head
+from .structure import (
+    Structure,
+    keys_named_first,
+    projection_input,
+    read_structure,
+    stage_of,
+)
 from .target import SIZES, Target, call_safely
 
 __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
@@ -392,6 +398,7 @@ class ModuleProbe:
                     rebuild_sdpa(rec),
                     rec.sdpa,
                     x.double(),
+                    rec,
                 )
             )
         else:
@@ -414,6 +421,7 @@ class ModuleProbe:
                         rebuild_sdpa(rec1),
                         rec1.sdpa,
                         x[:1].double(),
+                        rec1,
                     )
                 )
             else:
@@ -438,6 +446,16 @@ class ModuleProbe:
                 f"{self.tgt.text}: could not find what its projections read in a second call"
             )
         return found.double()
+
+    def _stage_of(self, call: Call, op: Op) -> Stage | None:
+        """The stage of an op in one of the judged calls (read from that call's record)."""
+        if call.record is None:
+            return None
+        try:
+            st = read_structure(call.record, self.module)
+        except AttnScopeError:
+            return None
+        return stage_of(call.record, st, op.index)
 
     def _reference_input(self, rec: Recorder, x: torch.Tensor) -> torch.Tensor:
         return self._ref_x(rec, x).float()
@@ -601,15 +619,18 @@ class ModuleProbe:
             msg += f". Look at {where}"
         return stage, msg, where
 
-    def _structure_report(self) -> dict:
-        st, b = self.structure, self.binding
-        heads = b.num_heads or 1
-        multi = self.kind in ("multihead", "causal-multihead")
+    def _structure_report(self, spec: Spec) -> dict:
+        """What was read from the computation, for the report's ``structure``."""
+        causal = self.kind in ("causal", "causal-multihead")
+        if not spec.multihead:
+            return single_head(spec.d_out, causal)
+        st = self.structure
+        kv = st.kv_heads if st is not None and st.kv_heads else spec.num_heads
         return {
-            "heads": heads if multi else 1,
-            "kv_heads": (st.kv_heads or heads) if multi else 1,
-            "head_dim": b.d_out // heads if multi else b.d_out,
-            "causal": self.kind in ("causal", "causal-multihead"),
+            "heads": spec.num_heads,
+            "kv_heads": kv,
+            "head_dim": spec.head_dim,
+            "causal": causal,
             "cross": False,
         }
 
@@ -623,6 +644,7 @@ class ModuleProbe:
             invoke=lambda x: self._invoke(x, self.causal_hint),
             reprobe=self._short_probe,
             recorder=self._recorder,
+            stage_of=self._stage_of,
             reference_input=self._reference_input
             if self.structure and self.structure.pre
             else None,
@@ -630,9 +652,8 @@ class ModuleProbe:
         judge.varies = self._varies()
         judge.keys_named_first = self.structure is not None and keys_named_first(self.structure)
         report = judge.run(options)
-        if self.structure is not None:
-            report.structure = self._structure_report()
-            report.layer = self.entry.path if self.entry is not None else None
+        report.structure = self._structure_report(judge.spec or options[0][1])
+        report.layer = self.entry.path if self.entry is not None else None
         return report
 
 

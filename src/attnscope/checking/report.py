@@ -9,7 +9,12 @@ import torch
 
 from ..stages import Stage
 
-__all__ = ["CheckReport", "Failure", "StageCheck"]
+__all__ = ["CheckReport", "Failure", "StageCheck", "single_head"]
+
+
+def single_head(head_dim: int, causal: bool = False) -> dict:
+    """The ``structure`` of attention with one head and no trainable projections of heads."""
+    return {"heads": 1, "kv_heads": 1, "head_dim": head_dim, "causal": causal, "cross": False}
 
 
 @dataclass

@@ -45,6 +45,7 @@ __all__ = [
     "read_structure",
     "projection_input",
     "keys_named_first",
+    "stage_of",
     "Unsupported",
 ]
 
@@ -613,10 +614,7 @@ class _Reader:
                 continue
             if op.position != 0:
                 continue
-            if op.name in _PRODUCT:
-                sides = _product_sides(g, op)
-            else:
-                sides = _pairwise_sides(g, op)
+            sides = _product_sides(g, op) if op.name in _PRODUCT else _pairwise_sides(g, op)
             if sides is None:
                 continue
             a, b, size = sides
@@ -928,6 +926,57 @@ class _Reader:
 
 
 # ------------------------------------------------------------------------------ features
+
+
+_SOFTMAX_LIKE = {"softmax", "_softmax", "log_softmax", "exp", "exp2", "sigmoid", "softmax_"}
+
+
+def stage_of(rec: Recorder, st: Structure, index: int):
+    """The stage a recorded op belongs to, by where it sits between the core's products:
+    a projection's path, the scores, the steps to the weights, the context, the output."""
+    from ..stages import Stage
+
+    ops = rec.ops
+
+    def descendants(node: int) -> set[int]:
+        out = {node}
+        for op in ops[node + 1 :]:
+            if any(a in out for a in op.args):
+                out.add(op.index)
+        return out
+
+    def ancestors(node: int) -> set[int]:
+        seen, stack = set(), [node]
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                stack.extend(ops[i].args)
+        return seen
+
+    core = st.cores[0]
+    made = core.score or core.fused
+    mixed = core.context or core.fused
+    if made is None or mixed is None:
+        return None
+    if index == mixed.index:
+        return Stage.WEIGHTS if core.fused is not None else Stage.CONTEXT
+    if index in descendants(mixed.index):
+        return Stage.OUTPUT
+    if index == made.index:
+        return Stage.SCORES
+    after = descendants(made.index)
+    if index in after:
+        steps = {ops[i].name for i in ancestors(index) & after}
+        if steps & _SOFTMAX_LIKE or ops[index].name in _SOFTMAX_LIKE:
+            return Stage.WEIGHTS
+        return Stage.MASKED_SCORES if steps & _MASKING and st.causal else Stage.SCALED_SCORES
+    for node, stage in ((core.q_node, Stage.QUERIES), (core.k_node, Stage.KEYS)):
+        if index in ancestors(node):
+            return stage
+    if core.v_node is not None and index in ancestors(core.v_node):
+        return Stage.VALUES
+    return None
 
 
 def _statement(path: str, line: int, most: int = 8) -> str:
