@@ -100,7 +100,7 @@ def test_bad_labels_and_targets_for_a_trace_are_rejected():
 
 def test_unknown_kind_and_stage_are_rejected():
     with pytest.raises(AttnScopeError, match="kind: expected one of"):
-        stages_for_kind("cross")
+        stages_for_kind("sparse")
     with pytest.raises(AttnScopeError, match="masked_scores"):
         attnscope.trace("simplified", BOOK)["masked_scores"]
 

@@ -16,9 +16,64 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Stage", "Dims", "KINDS", "MATRIX_STAGES", "stages_for_kind"]
+__all__ = ["Stage", "Dims", "Kind", "KINDS", "MATRIX_STAGES", "stages_for_kind"]
 
-#: Kinds of attention, from the weightless scores of one query to causal multi-head.
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of attention, as what its pipeline has: compare flags, not names.
+
+    ``weighted``: trainable query/key/value projections (not ``scores``/``simplified``);
+    ``one_query``: the scores of one query only (``scores``); ``cross``: keys and values
+    from a second input.
+    """
+
+    name: str
+    weighted: bool
+    causal: bool = False
+    multihead: bool = False
+    one_query: bool = False
+    cross: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def of(value: str | Kind) -> Kind:
+        """The kind named ``value`` (a kind passes through)."""
+        if isinstance(value, Kind):
+            return value
+        if value not in _BY_NAME:
+            from .errors import AttnScopeError
+
+            raise AttnScopeError(f"kind: expected one of {', '.join(KINDS)}, got {value!r}")
+        return _BY_NAME[value]
+
+    @staticmethod
+    def weighted_kind(*, causal: bool, multihead: bool) -> Kind:
+        """The trainable kind with these flags (``self``, ``causal``, ``multihead``, ...)."""
+        return next(
+            k
+            for k in _BY_NAME.values()
+            if k.weighted and not k.cross and (k.causal, k.multihead) == (causal, multihead)
+        )
+
+
+_BY_NAME = {
+    k.name: k
+    for k in (
+        Kind("scores", weighted=False, one_query=True),
+        Kind("simplified", weighted=False),
+        Kind("self", weighted=True),
+        Kind("causal", weighted=True, causal=True),
+        Kind("multihead", weighted=True, multihead=True),
+        Kind("causal-multihead", weighted=True, causal=True, multihead=True),
+        Kind("cross", weighted=True, multihead=True, cross=True),
+    )
+}
+
+#: Kinds of attention the library and the checker handle, from the weightless scores of one
+#: query to causal multi-head (the contract also names ``cross``, for cross-attention).
 KINDS = ("scores", "simplified", "self", "causal", "multihead", "causal-multihead")
 
 
@@ -132,20 +187,17 @@ class Dims:
         return (*lead, *heads, t, t)
 
 
-def stages_for_kind(kind: str) -> tuple[Stage, ...]:
+def stages_for_kind(kind: str | Kind) -> tuple[Stage, ...]:
     """The stages a pipeline of ``kind`` produces, in order."""
-    if kind not in KINDS:
-        from .errors import AttnScopeError
-
-        raise AttnScopeError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    if kind == "scores":
+    k = Kind.of(kind)
+    if k.one_query:
         return (Stage.QUERY, Stage.SCORES)
-    if kind == "simplified":
+    if not k.weighted:
         return (Stage.SCORES, Stage.WEIGHTS, Stage.CONTEXT)
     base = [Stage.QUERIES, Stage.KEYS, Stage.VALUES, Stage.SCORES, Stage.SCALED_SCORES]
-    if kind in ("causal", "causal-multihead"):
+    if k.causal:
         base.append(Stage.MASKED_SCORES)
     base += [Stage.WEIGHTS, Stage.CONTEXT]
-    if kind in ("multihead", "causal-multihead"):
+    if k.multihead:
         base.append(Stage.OUTPUT)
     return tuple(base)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from ..errors import AttnScopeError, describe
-from ..stages import Dims, Stage
+from ..stages import Dims, Kind, Stage
 from .compare import close, find_stage
 from .judge import Call, Judge
 from .mistakes import MISTAKES
@@ -107,7 +107,8 @@ class _FunctionCheck:
     """A plain function: ``f(inputs, query_index)`` (scores) or ``f(inputs)`` (simplified)."""
 
     def __init__(self, tgt: Target, kind, seed, timeout):
-        self.tgt, self.kind, self.timeout = tgt, kind, timeout
+        self.tgt, self.timeout = tgt, timeout
+        self.kind = None if kind is None else Kind.of(kind)
         self.notes: list[str] = []
         self.kind_reason = ""
         self.gen = torch.Generator().manual_seed(seed)
@@ -127,21 +128,22 @@ class _FunctionCheck:
         if self.kind is None:
             if n_params >= 2:
                 self.kind, self.kind_reason = (
-                    "scores",
+                    Kind.of("scores"),
                     "a function of two arguments f(inputs, query_index)",
                 )
             else:
-                self.kind, self.kind_reason = "simplified", "a function of one argument f(inputs)"
+                self.kind = Kind.of("simplified")
+                self.kind_reason = "a function of one argument f(inputs)"
         else:
             self.kind_reason = "given with --kind"
-        if self.kind not in ("scores", "simplified"):
+        if self.kind.weighted:
             raise AttnScopeError(
                 f"--kind {self.kind}: expected a module (class, instance or factory) for this "
                 f"kind; a plain function can be checked as 'scores' or 'simplified'"
             )
         tokens, d = SIZES["tokens"], 5
         x = torch.randn(tokens, d, generator=self.gen)
-        report = self._scores(x) if self.kind == "scores" else self._simplified(x)
+        report = self._scores(x) if self.kind.one_query else self._simplified(x)
         report.structure = single_head(d)
         return report
 
@@ -273,7 +275,7 @@ class _FunctionCheck:
             which = "batched" if calls[0].batched else "unbatched"
             self.notes.append(f"accepts only {which} input ({errors[0]})")
         d = x.shape[1]
-        return self._judge(calls).run([(None, Spec("simplified", d, d))])
+        return self._judge(calls).run([(None, Spec(self.kind, d, d))])
 
     def _invoke(self, x32: torch.Tensor):
         result, err = call_safely(self.tgt.obj, x32, timeout=self.timeout)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import AttnScopeError
-from ..stages import Dims, Stage, stages_for_kind
+from ..stages import Dims, Kind, Stage, stages_for_kind
 from .compare import Found, close, find_stage
 from .mistakes import MISTAKES
 from .record import Op, Recorder, SdpaCall
@@ -117,7 +117,7 @@ class Judge:
         self,
         *,
         target: str,
-        kind: str,
+        kind: Kind,
         kind_reason: str,
         notes: list[str],
         calls: list[Call],
@@ -127,7 +127,12 @@ class Judge:
         reference_input: Callable[[Recorder, torch.Tensor], torch.Tensor] | None = None,
         stage_of: Callable[[Call, Op], Stage | None] | None = None,
     ):
-        self.target, self.kind, self.kind_reason, self.notes = target, kind, kind_reason, notes
+        self.target, self.kind, self.kind_reason, self.notes = (
+            target,
+            Kind.of(kind),
+            kind_reason,
+            notes,
+        )
         self.calls, self.invoke, self.reprobe = calls, invoke, reprobe
         self.recorder, self.reference_input = recorder, reference_input
         self.stage_of = stage_of
@@ -198,7 +203,7 @@ class Judge:
             )
         return CheckReport(
             ok=failure is None,
-            kind=self.kind,
+            kind=self.kind.name,
             target=self.target,
             first_failure=failure,
             checks=checks,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import AttnScopeError, describe
-from ..stages import Stage
+from ..stages import Kind, Stage
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
 from .judge import Call, Judge
@@ -114,7 +114,8 @@ class ModuleProbe:
     """Everything about calling one module; :meth:`run` hands the calls to a :class:`Judge`."""
 
     def __init__(self, tgt: Target, kind, seed, timeout, weights, tokens=None):
-        self.tgt, self.kind, self.timeout, self.weights = tgt, kind, timeout, weights
+        self.tgt, self.timeout, self.weights = tgt, timeout, weights
+        self.kind = None if kind is None else Kind.of(kind)
         self.fixed_tokens = tokens
         self.module: nn.Module = tgt.obj
         self.notes: list[str] = []
@@ -134,7 +135,8 @@ class ModuleProbe:
     def run(self) -> CheckReport:
         self.module.eval()
         self.adapter = self._adapter(self.module)
-        if self.kind == "simplified" or not any(True for _ in self.module.parameters()):
+        weightless = self.kind is not None and not self.kind.weighted and not self.kind.one_query
+        if weightless or not any(True for _ in self.module.parameters()):
             return self._run_weightless()
         st = self._discover()
         self.structure = st
@@ -157,12 +159,12 @@ class ModuleProbe:
             self.kind, self.kind_reason = self._infer_kind(binding, st, tokens)
         else:
             self.kind_reason = "given with --kind"
-        if self.kind == "scores":
+        if self.kind.one_query:
             raise AttnScopeError(
                 "--kind scores: expected a function f(inputs, query_index), got an nn.Module"
             )
-        if self.kind == "simplified":
-            return self._judge([(None, Spec("simplified", binding.d_in, binding.d_in))])
+        if not self.kind.weighted:
+            return self._judge([(None, Spec(self.kind, binding.d_in, binding.d_in))])
         return self._judge(self._specs(binding))
 
     def _run_weightless(self) -> CheckReport:
@@ -170,15 +172,15 @@ class ModuleProbe:
         x = torch.randn(BATCH, tokens, _WEIGHTLESS_WIDTH, generator=self.gen)
         self.calls = self._probe(x)
         if self.kind is None:
-            self.kind, self.kind_reason = "simplified", "it has no trainable weights"
+            self.kind, self.kind_reason = Kind.of("simplified"), "it has no trainable weights"
         else:
             self.kind_reason = "given with --kind"
-        if self.kind != "simplified":
+        if self.kind.weighted or self.kind.one_query:
             raise AttnScopeError(
                 f"--kind {self.kind}: expected query, key and value weights, but "
                 f"{type(self.module).__name__} has no parameters"
             )
-        return self._judge([(None, Spec("simplified", _WEIGHTLESS_WIDTH, _WEIGHTLESS_WIDTH))])
+        return self._judge([(None, Spec(self.kind, _WEIGHTLESS_WIDTH, _WEIGHTLESS_WIDTH))])
 
     # ------------------------------------------------------------------ discovery
     def _widths(self) -> list[int]:
@@ -507,7 +509,7 @@ class ModuleProbe:
                 return n
         return max(2, min(limit or 7, 7))
 
-    def _infer_kind(self, binding: Binding, st: Structure, tokens: int) -> tuple[str, str]:
+    def _infer_kind(self, binding: Binding, st: Structure, tokens: int) -> tuple[Kind, str]:
         reasons = []
         heads = binding.num_heads
         multi = (heads or 1) > 1
@@ -520,9 +522,7 @@ class ModuleProbe:
             reasons.append(f"causal: {causal_why}")
             if multi and self.adapter["hf"] and self.entry is None:
                 self.calls = self._probe(self.calls[0].given.float(), causal_hint=True)
-        kind = ("causal-" if causal_why else "") + ("multihead" if multi else "self")
-        if kind == "causal-self":
-            kind = "causal"
+        kind = Kind.weighted_kind(causal=bool(causal_why), multihead=multi)
         if not multi:
             reasons.append(f"one head ({binding.source})")
         return kind, "; ".join(reasons)
@@ -567,8 +567,7 @@ class ModuleProbe:
         return ignores_later and changed_late and heeds_earlier
 
     def _specs(self, b: Binding) -> list[tuple[Weights, Spec]]:
-        multi = self.kind in ("multihead", "causal-multihead")
-        if multi:
+        if self.kind.multihead:
             heads = (
                 [b.num_heads]
                 if b.num_heads
@@ -621,7 +620,7 @@ class ModuleProbe:
 
     def _structure_report(self, spec: Spec) -> dict:
         """What was read from the computation, for the report's ``structure``."""
-        causal = self.kind in ("causal", "causal-multihead")
+        causal = self.kind.causal
         if not spec.multihead:
             return single_head(spec.d_out, causal)
         st = self.structure

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..stages import Stage
+from ..stages import Kind, Stage
 
 __all__ = ["Spec", "Weights", "Mutation", "pipeline", "mutations", "scores_kind_mutations"]
 
@@ -31,23 +31,26 @@ class Spec:
     projection follows the merged heads.
     """
 
-    kind: str
+    kind: Kind
     d_in: int
     d_out: int
     num_heads: int = 1
     has_out: bool = False
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind.of(self.kind))
+
     @property
     def causal(self) -> bool:
-        return self.kind in ("causal", "causal-multihead")
+        return self.kind.causal
 
     @property
     def multihead(self) -> bool:
-        return self.kind in ("multihead", "causal-multihead")
+        return self.kind.multihead
 
     @property
     def simplified(self) -> bool:
-        return self.kind == "simplified"
+        return not self.kind.weighted
 
     @property
     def head_dim(self) -> int:

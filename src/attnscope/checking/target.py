@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import AttnScopeError, describe
-from ..stages import KINDS
+from ..stages import KINDS, Kind
 from .record import short_path
 
 __all__ = ["Target", "load", "SIZES", "call_safely"]
@@ -268,7 +268,7 @@ def infer_init(cls: type, kind: str | None, tokens: int | None = None) -> dict:
             if p.default is not inspect.Parameter.empty and kind is None:
                 value = p.default
             else:
-                value = kind in ("causal", "causal-multihead")
+                value = kind is not None and Kind.of(kind).causal
         if value is inspect.Parameter.empty:
             if p.default is not inspect.Parameter.empty:
                 continue
@@ -330,7 +330,7 @@ def load(
     if callable(obj):
         if init:
             raise AttnScopeError("--init: expected a class, but the target is a function")
-        if not _required(obj) and kind not in ("scores", "simplified"):
+        if not _required(obj) and (kind is None or Kind.of(kind).weighted):
             try:
                 with _deadline(timeout):
                     made = obj()
