@@ -17,10 +17,10 @@ from ..errors import AttnScopeError, describe
 from ..stages import Dims, Kind, Stage
 from .compare import close, find_stage
 from .judge import Call, Judge
-from .mistakes import MISTAKES
+from .mistakes import MISTAKES, one_query_mutations
 from .probe import ModuleProbe, first_tensor, fmt_shape, rebuild_sdpa
 from .record import Recorder
-from .reference import Spec, scores_kind_mutations
+from .reference import Spec
 from .report import CheckReport, Failure, single_head
 from .target import SIZES, Target, call_safely, load
 
@@ -199,15 +199,16 @@ class _FunctionCheck:
         if None not in used:  # every call scored exactly some token: the wrong one
             pairs = ", ".join(f"{i} -> {j}" for i, j in zip(queries, used, strict=True))
             where = self._scores_where(ops, Stage.QUERY, x64[used[0]])
+            m = MISTAKES["wrong_query_token"]
             msg = (
-                f"query: {MISTAKES['wrong_query_token'].meaning}: query_index -> the token "
-                f"actually used: {pairs}. Expected query = inputs[query_index]"
+                f"query: {m.meaning}: query_index -> the token actually used: {pairs}. "
+                f"{m.one_query_expected}"
             )
             if where:
                 msg += f". Look at {where}"
             failure = Failure(Stage.QUERY, "wrong_query_token", msg, where)
             return self._judge([])._report(failure, found, refs, dims, x64[used[0]])
-        for code, stage, label, fn in scores_kind_mutations():
+        for code, stage, label, fn in one_query_mutations():
             try:
                 predicted = [fn(x64, i) for i in queries]
             except (RuntimeError, IndexError):
@@ -215,11 +216,8 @@ class _FunctionCheck:
             if all(close(o, p) for o, p in zip(outs, predicted, strict=True)):
                 user = predicted[0]
                 where = self._scores_where(ops, stage, user)
-                msg = f"{stage.value}: {MISTAKES[code].meaning}: found {label}"
-                msg += {
-                    "wrong_key_index": ". Expected scores[j] = inputs[j] . query at index j",
-                    "not_dot_product": ". Expected torch.dot(inputs[j], query)",
-                }.get(code, "")
+                m = MISTAKES[code]
+                msg = f"{stage.value}: {m.meaning}: found {label}. {m.one_query_expected}"
                 if where:
                     msg += f". Look at {where}"
                 return self._judge([])._report(

@@ -24,18 +24,10 @@ import torch
 from ..errors import AttnScopeError
 from ..stages import Dims, Kind, Stage, stages_for_kind
 from .compare import Found, close, find_stage
-from .mistakes import MISTAKES
+from .mistakes import MISTAKES, Context, Evidence, catalogue, recognise
+from .mistakes.scores import describe_scale, with_scale
 from .record import Op, Recorder, SdpaCall
-from .reference import (
-    Mutation,
-    Spec,
-    Weights,
-    describe_scale,
-    mutations,
-    pipeline,
-    project,
-    with_scale,
-)
+from .reference import Mutation, Spec, Weights, pipeline, project
 from .report import CheckReport, Failure, StageCheck
 
 __all__ = ["Call", "Judge", "LARGE", "SHORT"]
@@ -417,7 +409,7 @@ class Judge:
         # order, unless the line that makes the scores names the keys first (k @ q^T)
         combined = self.w is not None and "[q|k|v]" in self.w.source and not self.keys_named_first
         biases = (None, None, None) if self.w is None else (self.w.bq, self.w.bk, self.w.bv)
-        candidates = mutations(self.spec, tokens, batch, combined_qkv=combined, biases=biases)
+        candidates = catalogue(Context(self.spec, tokens, batch, combined, biases))
         projs = [project(c.x, self.spec, self.w) for c in calls]
         for mut in candidates:
             outs = []
@@ -490,7 +482,6 @@ class Judge:
             return None
         tokens = calls[0].x.shape[1]
         mut = with_scale(template, c, describe_scale(c, self.spec, tokens))
-        mut.code = "missing_scale" if math.isclose(c, 1.0, rel_tol=1e-3) else "wrong_scale"
         outs = [pipeline(call.x, self.spec, self.w, mut) for call in calls]
         if all(
             close(call.out, o["output"], rtol=1e-3) for call, o in zip(calls, outs, strict=True)
@@ -519,48 +510,8 @@ class Judge:
         return None
 
     def _message(self, mut: Mutation, where: str | None) -> str:
-        s = self.spec
-        stage = mut.stage.value
-        meaning = MISTAKES[mut.code].meaning
-        expected = {
-            "wrong_projection": "expected queries = x @ W_query, keys = x @ W_key, "
-            "values = x @ W_value",
-            "heads_split": "expected (b, tokens, d_out) -> view(b, tokens, num_heads, head_dim)"
-            " -> transpose(1, 2)",
-            "scores_transposed": "expected queries @ keys.transpose(-2, -1): row i is query i",
-            "wrong_key_index": "expected scores[i, j] = query_i . key_j, key j at column j",
-            "not_dot_product": "expected the dot product query_i . key_j",
-            "batch_mixing": "expected each sequence to attend only to its own tokens "
-            "(matmul over the last two dims, batch kept apart)",
-            "missing_scale": f"expected scores / sqrt(d_k) with d_k = keys.shape[-1] = "
-            f"{s.head_dim} (factor {s.scale:.4g})",
-            "wrong_scale": f"expected 1/sqrt(d_k) = 1/sqrt({s.head_dim}) = {s.scale:.4g}, "
-            f"d_k being the keys' last dimension{' per head' if s.num_heads > 1 else ''}",
-            "missing_mask": "expected scores of keys after the query (j > i) set to -inf",
-            "mask_diagonal": "expected torch.triu(ones, diagonal=1): each token sees itself "
-            "and the tokens before it, none after",
-            "mask_fill_value": "expected -inf (or a very negative number) so masked keys get "
-            "weight 0",
-            "softmax_wrong_dim": "expected softmax over the keys, dim=-1, so each query's "
-            "weights sum to 1",
-            "not_softmax": "expected torch.softmax(scaled_scores, dim=-1)",
-            "mask_after_softmax": "expected the mask on the scores before the softmax, so each "
-            "row of weights still sums to 1",
-            "context_wrong_product": "expected weights @ values: context_i = sum_j w_ij value_j",
-            "heads_merge": "expected context.transpose(1, 2).reshape(b, tokens, d_out)",
-            "missing_out_proj": "expected the output projection applied to the merged heads",
-        }.get(mut.code, "")
-        msg = f"{stage}: {meaning}: found {mut.label}"
-        if mut.code == "wrong_scale" and s.simplified:
-            msg = f"{stage}: scores scaled by {mut.facts.get('name')}"
-            expected = "expected the raw scores: simplified attention (no trainable weights) is "
-            expected += "not scaled"
-        elif mut.code == "wrong_scale":
-            msg = f"{stage}: scores scaled by {mut.facts.get('name')} instead of 1/sqrt(d_k)"
-        msg += f". {expected[:1].upper()}{expected[1:]}" if expected else ""
-        if where:
-            msg += f". Look at {where}"
-        return msg
+        msg = MISTAKES[mut.code].message(mut, self.spec)
+        return msg + (f". Look at {where}" if where else "")
 
     def _fallback(self, found, refs, call) -> tuple[Failure, torch.Tensor | None]:
         """No known mistake reproduces the output: blame the first stage not found.
@@ -622,26 +573,6 @@ class Judge:
             + ": something is done to it before it is returned"
         )
         return Failure(final, "other", msg, where), None
-
-    def _classify_scores(self, user: torch.Tensor) -> str:
-        """Name what a user's score matrix is: transposed, shifted along keys, or not q . k."""
-        call = self.calls[0]
-        ref = pipeline(call.x, self.spec, self.w)["scores"]
-        u = user.double() if call.batched else user.double().unsqueeze(0)
-        if u.shape != ref.shape:
-            return "not_dot_product"
-        if close(u, ref.mT):
-            return "scores_transposed"
-        n = ref.shape[-1]
-        for s in range(1, n):
-            if close(u, ref.roll(s, dims=-1)):
-                return "wrong_key_index"
-            # shifted without wrapping: every column but the leftover one matches
-            if close(u[..., : n - s], ref[..., s:]) or close(u[..., s:], ref[..., : n - s]):
-                return "wrong_key_index"
-        if close(u, ref.flip(-1)):
-            return "wrong_key_index"
-        return "not_dot_product"
 
     def _substitute_fused_inputs(self, call: Call, refs) -> tuple[Stage, Op] | None:
         """Queries, keys and values as a fused attention call received them, swapped in
@@ -707,53 +638,12 @@ class Judge:
                     return stage, op
         return None
 
-    def _classify_masked(self, user: torch.Tensor) -> str:
-        """Name what a user's masked scores are: unmasked, a finite fill, the wrong cells."""
-        call = self.calls[0]
-        ref = pipeline(call.x, self.spec, self.w)
-        u = user.double() if call.batched else user.double().unsqueeze(0)
-        masked, scaled = ref["masked_scores"], ref["scaled_scores"]
-        if u.shape != masked.shape:
-            return "other"
-        hidden = ~torch.isfinite(masked)
-        if close(u, scaled):
-            return "missing_mask"
-        very_negative = ~torch.isfinite(u) | (u < -1e4)
-        if not torch.equal(very_negative, hidden) and very_negative.any():
-            return "mask_diagonal"
-        fills = u[hidden]
-        if fills.numel() and torch.isfinite(fills).all() and close(u[~hidden], scaled[~hidden]):
-            return "mask_fill_value"
-        return "other"
-
-    def _softmax_elsewhere(self, user: torch.Tensor) -> bool:
-        """Whether the user's weights are a softmax of the right logits over another axis."""
-        call = self.calls[0]
-        ref = pipeline(call.x, self.spec, self.w)
-        logits = ref.get("masked_scores", ref.get("scaled_scores", ref["scores"]))
-        u = user.double() if call.batched else user.double().unsqueeze(0)
-        if u.shape != logits.shape:
-            return False
-        finite = logits.nan_to_num(neginf=-1e9)  # the user's fill may be finite
-        axes = [d for d in range(logits.dim() - 1)]
-        return any(close(u, torch.softmax(finite, dim=d)) for d in axes)
-
     def _guess_code(self, stage: Stage, found, user: torch.Tensor | None) -> str:
-        if stage is Stage.SCORES and user is not None:
-            return self._classify_scores(user)
-        if stage is Stage.MASKED_SCORES and user is not None:
-            return self._classify_masked(user)
-        if stage is Stage.SCORES and found.get(Stage.QUERIES) and found.get(Stage.KEYS):
-            return "not_dot_product"
-        if stage is Stage.WEIGHTS:
-            if user is not None and self._softmax_elsewhere(user):
-                return "softmax_wrong_dim"
-            return "not_softmax"
-        if (
-            stage is Stage.CONTEXT
-            and user is None
-            and found.get(Stage.WEIGHTS)
-            and found.get(Stage.VALUES)
-        ):
-            return "context_wrong_product"
-        return "other"
+        """The code whose recogniser knows the user's tensor at ``stage`` (see
+        :func:`.mistakes.recognise`)."""
+        call = self.calls[0]
+        u = None
+        if user is not None:
+            u = user.double() if call.batched else user.double().unsqueeze(0)
+        ref = pipeline(call.x, self.spec, self.w)
+        return recognise(stage, Evidence(u, ref, found))

@@ -1,0 +1,119 @@
+"""Mistakes in the causal mask: none, the wrong cells, a fill that still gets weight."""
+
+from __future__ import annotations
+
+import torch
+
+from ...stages import Stage
+from ..compare import close
+from ..reference import Mutation, causal_hide
+from . import Context, Evidence, define
+
+T = torch.Tensor
+_M = Stage.MASKED_SCORES
+
+
+def _masked(ev: Evidence) -> tuple[T, T, T] | None:
+    """(user, reference masked scores, reference scaled scores), shapes agreeing."""
+    masked = ev.ref.get("masked_scores")
+    if masked is None or ev.user is None or ev.user.shape != masked.shape:
+        return None
+    return ev.user, masked, ev.ref["scaled_scores"]
+
+
+def _unmasked(ev: Evidence) -> bool:
+    got = _masked(ev)
+    return got is not None and close(got[0], got[2])
+
+
+@define(
+    "missing_mask",
+    expected="expected scores of keys after the query (j > i) set to -inf",
+    recognise=_unmasked,
+)
+def _missing_mask(c: Context) -> list[Mutation]:
+    if not c.spec.causal:
+        return []
+    return [Mutation("missing_mask", _M, "no mask", mask=lambda s: s)]
+
+
+def _wrong_cells(ev: Evidence) -> bool:
+    got = _masked(ev)
+    if got is None:
+        return False
+    u, masked, _ = got
+    hidden = ~torch.isfinite(masked)
+    very_negative = ~torch.isfinite(u) | (u < -1e4)
+    return bool(very_negative.any()) and not torch.equal(very_negative, hidden)
+
+
+@define(
+    "mask_diagonal",
+    expected="expected torch.triu(ones, diagonal=1): each token sees itself and the tokens "
+    "before it, none after",
+    recognise=_wrong_cells,
+)
+def _mask_diagonal(c: Context) -> list[Mutation]:
+    if not c.spec.causal:
+        return []
+    out = []
+    for d, label in (
+        (0, "the mask also hides each token itself (triu diagonal=0)"),
+        (2, "the mask shows the next token (triu diagonal=2)"),
+        (3, "the mask shows the next two tokens (triu diagonal=3)"),
+    ):
+        for fill in (-torch.inf, -1e9):
+            out.append(
+                Mutation(
+                    "mask_diagonal",
+                    _M,
+                    label,
+                    mask=lambda s, d=d, f=fill: s.masked_fill(causal_hide(s.shape[-1], d), f),
+                )
+            )
+    for d, label in ((0, "the mask hides the past (tril)"), (-1, "the mask hides the past")):
+        out.append(
+            Mutation(
+                "mask_diagonal",
+                _M,
+                label + " and shows the future",
+                mask=lambda s, d=d: s.masked_fill(
+                    torch.ones(s.shape[-1], s.shape[-1], dtype=torch.bool).tril(d), -torch.inf
+                ),
+            )
+        )
+    return out
+
+
+def _finite_fill(ev: Evidence) -> bool:
+    got = _masked(ev)
+    if got is None:
+        return False
+    u, masked, scaled = got
+    hidden = ~torch.isfinite(masked)
+    fills = u[hidden]
+    return bool(
+        fills.numel() and torch.isfinite(fills).all() and close(u[~hidden], scaled[~hidden])
+    )
+
+
+@define(
+    "mask_fill_value",
+    expected="expected -inf (or a very negative number) so masked keys get weight 0",
+    recognise=_finite_fill,
+)
+def _mask_fill_value(c: Context) -> list[Mutation]:
+    if not c.spec.causal:
+        return []
+    fills = [(0.0, "0"), (-1.0, "-1"), (1.0, "1"), (-10.0, "-10"), (-100.0, "-100")]
+    fills += [(-v * c.spec.scale, f"{-v:g} before scaling") for v in (1.0, 10.0, 100.0)]
+    return [
+        Mutation(
+            "mask_fill_value",
+            _M,
+            f"masked scores filled with {text}",
+            mask=lambda s, v=value: s.masked_fill(causal_hide(s.shape[-1]), v),
+            facts={"fill": value, "name": text},
+        )
+        for value, text in fills
+    ]

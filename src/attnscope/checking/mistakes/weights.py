@@ -1,0 +1,120 @@
+"""Mistakes in turning scores into weights: the wrong axis, not a softmax, a softmax that
+overflows, the mask applied after it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...stages import Stage
+from ..compare import close
+from ..reference import Mutation, causal_hide
+from . import Context, Evidence, define
+
+T = torch.Tensor
+_W = Stage.WEIGHTS
+
+
+def _finite_mask(fill: float) -> Callable[[T], T]:
+    """The causal mask with a finite fill (-1e9): wrong-axis softmaxes then differ from -inf."""
+    return lambda s: s.masked_fill(causal_hide(s.shape[-1]), fill)
+
+
+def _softmax_elsewhere(ev: Evidence) -> bool:
+    """The user's weights are a softmax of the right logits over another axis."""
+    logits = ev.ref.get("masked_scores", ev.ref.get("scaled_scores", ev.ref["scores"]))
+    if ev.user is None or ev.user.shape != logits.shape:
+        return False
+    finite = logits.nan_to_num(neginf=-1e9)  # the user's fill may be finite
+    return any(close(ev.user, torch.softmax(finite, dim=d)) for d in range(logits.dim() - 1))
+
+
+@define(
+    "softmax_wrong_dim",
+    expected="expected softmax over the keys, dim=-1, so each query's weights sum to 1",
+    recognise=_softmax_elsewhere,
+)
+def _softmax_wrong_dim(c: Context) -> list[Mutation]:
+    axes = [(-2, "the queries (dim=-2)", None), (0, "dim=0", 0), (1, "dim=1", 1)]
+    if c.spec.multihead:
+        axes.append((2, "dim=2", 2))
+    out = []
+    for dim, text, user_dim in axes:
+        for fill in (None, -1e9) if c.spec.causal else (None,):
+            out.append(
+                Mutation(
+                    "softmax_wrong_dim",
+                    _W,
+                    f"softmax over {text} instead of the keys (dim=-1)",
+                    mask=None if fill is None else _finite_mask(fill),
+                    softmax=lambda s, d=dim: torch.softmax(s, dim=d),
+                    user_dim=user_dim,
+                    facts={"dim": dim},
+                )
+            )
+    out.append(
+        Mutation(
+            "softmax_wrong_dim",
+            _W,
+            "softmax over the whole score matrix at once instead of each query's row",
+            softmax=lambda s: torch.softmax(s.flatten(-2), dim=-1).view_as(s),
+        )
+    )
+    return out
+
+
+@define(
+    "not_softmax",
+    expected="expected torch.softmax(scaled_scores, dim=-1)",
+    recognise=lambda ev: True,  # the fallback at the weights
+)
+def _not_softmax(c: Context) -> list[Mutation]:
+    forms = {
+        "scores divided by their row sum": lambda s: s / s.sum(-1, keepdim=True),
+        "sigmoid": torch.sigmoid,
+        "no normalisation": lambda s: s,
+        "exp without normalising": torch.exp,
+        "log_softmax": lambda s: torch.log_softmax(s, dim=-1),
+        "relu divided by the row sum": lambda s: s.relu() / s.relu().sum(-1, keepdim=True),
+        "masked scores set to 0 and divided by the row sum": lambda s: (
+            s.nan_to_num(neginf=0.0) / s.nan_to_num(neginf=0.0).sum(-1, keepdim=True)
+        ),
+    }
+    return [Mutation("not_softmax", _W, label, softmax=fn) for label, fn in forms.items()]
+
+
+# unstable_softmax agrees with the reference on normal inputs: the judge finds it with a
+# probe at large magnitude (Judge._large_probe), or where exp() is the first op to overflow
+define(
+    "unstable_softmax",
+    expected="expected a softmax that stays finite: subtract each row's maximum before exp, "
+    "or use torch.softmax",
+)
+
+
+@define(
+    "mask_after_softmax",
+    expected="expected the mask on the scores before the softmax, so each row of weights "
+    "still sums to 1",
+)
+def _mask_after_softmax(c: Context) -> list[Mutation]:
+    if not c.spec.causal:
+        return []
+    # softmax over the unmasked scores, then the mask on the weights
+    return [
+        Mutation(
+            "mask_after_softmax",
+            _W,
+            "weights zeroed above the diagonal after the softmax, rows not renormalised",
+            mask=lambda s: s,
+            after_softmax=lambda w: w.masked_fill(causal_hide(w.shape[-1]), 0.0),
+        ),
+        Mutation(
+            "mask_after_softmax",
+            _W,
+            "weights set to -inf above the diagonal after the softmax",
+            mask=lambda s: s,
+            after_softmax=lambda w: w.masked_fill(causal_hide(w.shape[-1]), -torch.inf),
+        ),
+    ]
