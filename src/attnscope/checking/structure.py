@@ -26,7 +26,6 @@ Names play no part in any of it; they only label the report (:attr:`Projection.s
 from __future__ import annotations
 
 import linecache
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -35,118 +34,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import AttnScopeError
-from .compare import close
+from .dataflow import LAYOUT_OPS, Graph
+from .features import MASKING_OPS, Features, Unsupported, mask_shape
+from .projections import Projection, fold_bias, read_projection
 from .record import ModuleCall, Op, Recorder, tensors_in
 
 __all__ = [
-    "Projection",
     "Core",
     "Structure",
     "read_structure",
     "projection_input",
     "keys_named_first",
     "stage_of",
+    "role_hint",
     "Unsupported",
+    "Projection",
 ]
 
 T = torch.Tensor
 
-#: calls that can apply a weight to a tensor, or multiply two tensors made from the input
-_LINEAR = {
-    "linear",
-    "matmul",
-    "__matmul__",
-    "__rmatmul__",
-    "mm",
-    "bmm",
-    "addmm",
-    "baddbmm",
-    "einsum",
-    "tensordot",
-    "conv1d",
-}
 _PRODUCT = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "einsum", "tensordot"}
-#: calls that only move, cut or copy entries: a query stays a query through them
-_STRUCTURAL = {
-    "view",
-    "reshape",
-    "transpose",
-    "permute",
-    "contiguous",
-    "split",
-    "chunk",
-    "unbind",
-    "__getitem__",
-    "unsqueeze",
-    "squeeze",
-    "flatten",
-    "unflatten",
-    "expand",
-    "expand_as",
-    "movedim",
-    "swapaxes",
-    "swapdims",
-    "clone",
-    "to",
-    "float",
-    "double",
-    "half",
-    "type",
-    "type_as",
-    "narrow",
-    "select",
-    "T",
-    "mT",
-    "mH",
-    "H",
-    "cat",
-    "stack",
-    "split_with_sizes",
-    "tensor_split",
-    "detach",
-    "dropout",
-    "view_as",
-    "reshape_as",
-    "__get__",
-    "data",
-}
-_SCALAR_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "__rtruediv__", "mul_", "div_"}
-_ROTARY_CALLS = {"view_as_complex", "view_as_real", "polar", "complex"}
-_NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt"}
-_MASKING = {"masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub"}
-_MASKING |= {"__sub__", "mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
-
-
-class Unsupported(AttnScopeError):
-    """The layer holds something the checker does not model yet: no verdict is given."""
-
-
-@dataclass
-class Projection:
-    """One projection as the computation applied it: ``x @ w + b``, ``w`` ``(d_in, d_out)``.
-
-    ``params`` are the dotted names of the parameters it read (labels only).
-    """
-
-    op: Op
-    w: T
-    b: T | None
-    params: tuple[str, ...]
-    input_node: int
-    weight_names: tuple[str, ...] = ()  # the parameters read as the weight, where known
-    bias_names: tuple[str, ...] = ()  # ... and as the bias
-    #: the bias that belongs with the weight (the same Linear's, or the parameter paired
-    #: with it), when the call applied another one or none
-    companion: tuple[str, T] | None = None
-
-    @property
-    def width(self) -> int:
-        return self.w.shape[1]
-
-    @property
-    def source(self) -> str:
-        what = "+".join(self.params) if self.params else "a projection"
-        return f"{what} ({self.op.name} at {self.op.location})" if self.op.location else what
 
 
 @dataclass
@@ -208,244 +115,6 @@ class Structure:
         return "; ".join(bits)
 
 
-# ------------------------------------------------------------------------------ graph
-
-
-class _Graph:
-    """Derived facts about the nodes of one record, computed once in index order."""
-
-    def __init__(self, rec: Recorder):
-        self.rec, self.ops = rec, rec.ops
-        n = len(self.ops)
-        self.tainted = [False] * n  # made from the probe input
-        self.param = [False] * n  # made from a parameter (and not from the input)
-        for op in self.ops:
-            if op.leaf is not None:
-                self.tainted[op.index] = op.leaf.startswith("input")
-                self.param[op.index] = op.leaf.startswith("param:")
-            else:
-                self.tainted[op.index] = any(self.tainted[a] for a in op.args)
-                self.param[op.index] = not self.tainted[op.index] and any(
-                    self.param[a] for a in op.args
-                )
-
-    def tainted_args(self, op: Op) -> list[int]:
-        out = []
-        for a in op.args:
-            if self.tainted[a] and a not in out:
-                out.append(a)
-        return out
-
-    def roots(self, node: int) -> set[str]:
-        """The input leaves a node was made from (``input:0``, ``input:1``...)."""
-        seen, stack, found = set(), [node], set()
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            op = self.ops[i]
-            if op.leaf is not None and op.leaf.startswith("input"):
-                found.add(op.leaf)
-            stack.extend(a for a in op.args if self.tainted[a])
-        return found
-
-    def params_of(self, op: Op, nodes: list[int] | None = None) -> tuple[str, ...]:
-        """The parameters an op read (or these of its argument nodes), by name, through
-        slices, transposes and views."""
-        start = op.args if nodes is None else nodes
-        seen, stack, names = set(), [a for a in start if self.param[a]], []
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            leaf = self.ops[i].leaf
-            if leaf is not None and leaf.startswith("param:"):
-                names.append(leaf[len("param:") :])
-            stack.extend(a for a in self.ops[i].args if self.param[a])
-        return tuple(sorted(set(names)))
-
-    def original(self, node: int) -> T:
-        """The tensor as the target had it (not the recorded detached alias)."""
-        return self.rec._alive[node]
-
-
-# ------------------------------------------------------------------------------ projections
-
-
-def _replace(obj, old: T, new: T):
-    if obj is old:
-        return new
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace(o, old, new) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _replace(v, old, new) for k, v in obj.items()}
-    return obj
-
-
-def _exact(op: Op, x: T) -> tuple[T, T | None] | None:
-    """``(W, b)`` read straight from the arguments of the common linear calls."""
-    args = op.call_args
-    f64 = torch.float64
-    if op.name == "linear" and len(args) >= 2 and args[0] is x:
-        w = args[1]
-        b = args[2] if len(args) > 2 else op.call_kwargs.get("bias")
-        if isinstance(w, torch.Tensor) and w.dim() == 2:
-            return w.detach().to(f64).T, None if b is None else b.detach().to(f64)
-    if op.name == "addmm" and len(args) >= 3 and args[1] is x and not op.call_kwargs:
-        b, w = args[0], args[2]
-        if w.dim() == 2 and b.dim() <= 1:
-            return w.detach().to(f64), b.detach().to(f64).expand(w.shape[1]).clone()
-    if op.name in ("matmul", "__matmul__", "mm") and len(args) == 2 and args[0] is x:
-        w = args[1]
-        if isinstance(w, torch.Tensor) and w.dim() == 2:
-            return w.detach().to(f64), None
-    return None
-
-
-def _contracted(op: Op, x: T) -> list[int] | None:
-    """The axes of ``x`` a linear call sums over (its features), by what the call does."""
-    args = op.call_args
-    name = op.name
-    if name == "linear":
-        return [x.dim() - 1]
-    if name in ("matmul", "__matmul__", "mm", "bmm") and len(args) >= 2:
-        return [x.dim() - 1] if args[0] is x else [max(x.dim() - 2, 0)]
-    if name == "__rmatmul__" and len(args) >= 2:  # other @ self
-        return [max(x.dim() - 2, 0)] if args[0] is x else [x.dim() - 1]
-    if name in ("addmm", "baddbmm") and len(args) >= 3:
-        return [x.dim() - 1] if args[1] is x else [max(x.dim() - 2, 0)]
-    if name == "einsum":
-        eq = args[0] if args and isinstance(args[0], str) else None
-        operands = list(tensors_in(args[1:]))
-        if eq is None or "->" not in eq or "..." in eq:
-            return None
-        lhs, out = eq.replace(" ", "").split("->")
-        parts = lhs.split(",")
-        for spec, t in zip(parts, operands, strict=False):
-            if t is x:
-                return [i for i, c in enumerate(spec) if c not in out]
-        return None
-    return [x.dim() - 1]
-
-
-def _row_axes(x: T, out: T, features: list[int]) -> list[int] | None:
-    """Where the rows of ``x`` (its axes other than ``features``) sit in ``out``: matched
-    by size, in order (``(B, T, d) -> (B, H, T, hd)`` keeps B at 0 and T at 2)."""
-    where: list[int] = []
-    j = 0
-    for i in range(x.dim()):
-        if i in features:
-            continue
-        while j < out.dim() and out.shape[j] != x.shape[i]:
-            j += 1
-        if j == out.dim():
-            return None
-        where.append(j)
-        j += 1
-    return where
-
-
-def _rows_first(t: T, rows: list[int]) -> T:
-    """``t`` as ``(rows, features)``: its row axes first, the rest flattened in order."""
-    rest = [i for i in range(t.dim()) if i not in rows]
-    n = math.prod(t.shape[i] for i in rows)
-    return t.permute(*rows, *rest).reshape(n, -1)
-
-
-def _by_basis(op: Op, x: T, made: T) -> tuple[T, T | None] | None:
-    """``(W, b)`` of any call that is affine in ``x`` row by row: re-run it on unit rows.
-
-    The features are the axes the call sums over; the rows, the other axes of ``x``, which
-    the output keeps (in whatever place).
-    """
-    features = _contracted(op, x)
-    if features is None or op.func is None:
-        return None
-    x_rows = [i for i in range(x.dim()) if i not in features]
-    where = _row_axes(x, made, features)
-    if where is None:
-        return None
-    rows = math.prod(x.shape[i] for i in x_rows)
-    d_in = math.prod(x.shape[i] for i in features)
-    perm = x_rows + features
-    inverse = [perm.index(i) for i in range(x.dim())]
-    laid = [x.shape[i] for i in perm]
-    basis = torch.cat([torch.zeros(1, d_in), torch.eye(d_in)]).to(x.dtype)
-    ys = []
-    with torch.no_grad():
-        for start in range(0, d_in + 1, max(rows, 1)):
-            chunk = basis[start : start + rows]
-            pad = torch.zeros(rows - chunk.shape[0], d_in, dtype=x.dtype)
-            probe = torch.cat([chunk, pad]).reshape(laid).permute(inverse)
-            try:
-                y = op.func(*_replace(op.call_args, x, probe), **_replace(op.call_kwargs, x, probe))
-            except Exception:  # a call that cannot take other rows is not a projection
-                return None
-            if not isinstance(y, torch.Tensor) or y.shape != made.shape:
-                return None
-            ys.append(_rows_first(y, where)[: chunk.shape[0]].double())
-    y = torch.cat(ys)
-    b, w = y[0], y[1:] - y[0]
-    got = _rows_first(x.detach().double(), x_rows) @ w + b
-    if not close(_rows_first(made, where), got, rtol=1e-3):
-        return None  # not one affine map applied row by row
-    return w, (None if bool((b == 0).all()) else b)
-
-
-def _projection(g: _Graph, op: Op) -> Projection | None:
-    if op.name not in _LINEAR or op.func is None:
-        return None
-    tainted = g.tainted_args(op)
-    if len(tainted) != 1 or not g.tainted[op.index] or op.position != 0:
-        return None
-    if not any(g.param[a] for a in op.args):
-        return None
-    x = g.original(tainted[0])
-    made = op.output
-    if op.stale:  # changed in place since (q *= scale): what the call made, made again
-        with torch.no_grad():
-            made = op.func(*op.call_args, **op.call_kwargs)
-        if not isinstance(made, torch.Tensor):
-            return None
-    found = _exact(op, x)
-    if found is not None:  # confirm: the map read from the arguments makes the output
-        w, b = found
-        got = x.detach().double().reshape(-1, w.shape[0]) @ w + (0 if b is None else b)
-        if got.numel() != made.numel() or not close(made.reshape(got.shape), got, rtol=1e-3):
-            found = None
-    found = found or _by_basis(op, x, made)
-    if found is None:
-        return None
-    w, b = found
-    # which arguments were the weight and the bias (for the common calls)
-    w_at, b_at = {"linear": (1, 2), "addmm": (2, 0), "matmul": (1, None)}.get(op.name, (None, None))
-    w_at, b_at = (1, None) if op.name in ("__matmul__", "mm") else (w_at, b_at)
-    wn = g.params_of(op, [op.args[w_at]]) if w_at is not None and w_at < len(op.args) else ()
-    bn = g.params_of(op, [op.args[b_at]]) if b_at is not None and b_at < len(op.args) else ()
-    return Projection(op, w, b, g.params_of(op), tainted[0], wn, bn)
-
-
-def _fold_bias(g: _Graph, op: Op, projs: dict[int, Projection]) -> Projection | None:
-    """``x @ W + b`` written as two calls: the addition of a parameter vector to a
-    projection's output is part of the projection."""
-    if op.name not in ("add", "__add__", "__radd__", "add_") or len(op.args) != 2:
-        return None
-    made = [a for a in op.args if a in projs]
-    other = [a for a in op.args if a not in projs]
-    if len(made) != 1 or len(other) != 1 or not g.param[other[0]]:
-        return None
-    p, bias = projs[made[0]], g.ops[other[0]].output
-    if bias.numel() != p.width or (bias.dim() and bias.shape[-1] != p.width):
-        return None
-    if op.output.shape != g.ops[made[0]].output.shape:
-        return None
-    b = bias.detach().double().reshape(-1) + (0 if p.b is None else p.b)
-    names = g.params_of(op, [other[0]])
-    return Projection(op, p.w, b, (*p.params, *names), p.input_node, p.weight_names, names)
-
-
 # ------------------------------------------------------------------------------ the core
 
 
@@ -488,7 +157,7 @@ def _einsum_sides(op: Op) -> tuple[int, int, int] | None:
     return q_side, 1 - q_side, size
 
 
-def _pairwise_sides(g: _Graph, op: Op) -> tuple[int, int, int] | None:
+def _pairwise_sides(g: Graph, op: Op) -> tuple[int, int, int] | None:
     """Two tensors made from the input combined pair by pair (broadcast across each other:
     cosine similarity, distances, ``q[:, :, None] * k[:, None]``): the query side is the
     one whose tokens run along the earlier of the two crossed axes."""
@@ -512,7 +181,7 @@ def _pairwise_sides(g: _Graph, op: Op) -> tuple[int, int, int] | None:
     return (na, nb, ta.shape[-1]) if q_first else (nb, na, tb.shape[-1])
 
 
-def _product_sides(g: _Graph, op: Op) -> tuple[int, int, int] | None:
+def _product_sides(g: Graph, op: Op) -> tuple[int, int, int] | None:
     """(query-side node, key-side node, contracted size) of a product of two tensors."""
     tensors = list(tensors_in(op.call_args)) + list(tensors_in(op.call_kwargs))
     nodes = op.args
@@ -576,7 +245,7 @@ def read_structure(rec: Recorder, root: nn.Module) -> Structure:
 class _Reader:
     def __init__(self, rec: Recorder, root: nn.Module):
         self.rec, self.root = rec, root
-        self.g = _Graph(rec)
+        self.g = Graph(rec)
         self.ops = rec.ops
 
     # -- projections and the core
@@ -604,9 +273,9 @@ class _Reader:
                     cores.append(core)
                 after_score[i] = after_context[i] = True
                 continue
-            proj = _projection(g, op)
+            proj = read_projection(g, op)
             if proj is None:
-                proj = _fold_bias(g, op, projs)
+                proj = fold_bias(g, op, projs)
                 if proj is not None:  # the bias joins the projection it follows
                     projs.pop(next(a for a in op.args if a in projs))
             if proj is not None:
@@ -666,27 +335,15 @@ class _Reader:
 
     def _core_for(self, cores: list[Core], weights: int) -> Core | None:
         """The scores product a weights tensor was made from (the latest one)."""
-        anc = self._ancestors(weights)
+        anc = self.g.ancestors(weights)
         for core in reversed(cores):
             if core.score is not None and core.score.index in anc:
                 return core
         return None
 
-    def _ancestors(self, node: int, stop: set[int] | None = None) -> set[int]:
-        seen, stack = set(), [node]
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            if stop and i in stop:
-                continue
-            stack.extend(a for a in self.ops[i].args if self.g.tainted[a])
-        return seen
-
     def _projections_above(self, node: int, projs: dict[int, Projection]) -> list[Projection]:
         """The projections nearest above a node (not past one), in index order."""
-        found = self._ancestors(node, stop=set(projs))
+        found = self.g.ancestors(node, stop=set(projs))
         return [projs[i] for i in sorted(found) if i in projs]
 
     # -- roles, heads, layer
@@ -734,7 +391,7 @@ class _Reader:
             cores=cores,
         )
         s.pre = self._pre(s)
-        _Features(self, s, after_context).find()
+        Features(self.g, s).find()
         return s
 
     def _pre(self, s: Structure) -> list[Op]:
@@ -747,10 +404,10 @@ class _Reader:
             return []
         found = [
             self.ops[i]
-            for i in sorted(self._ancestors(s.input_node))
+            for i in sorted(self.g.ancestors(s.input_node))
             if i >= start and self.ops[i].leaf is None
         ]
-        return found if any(op.name not in _STRUCTURAL for op in found) else []
+        return found if any(op.name not in LAYOUT_OPS for op in found) else []
 
     def _widths(self, roles, shared, cores) -> dict[str, int]:
         """How many features each role has, all heads together. One combined weight is cut
@@ -797,7 +454,7 @@ class _Reader:
         """Whether one core's scores were made from another core's context (layers in a row)."""
         contexts = {c.context.index if c.context else c.fused.index for c in cores}
         for core in cores:
-            anc = self._ancestors(core.q_node) | self._ancestors(core.k_node)
+            anc = self.g.ancestors(core.q_node) | self.g.ancestors(core.k_node)
             own = core.context.index if core.context else core.fused.index
             if (contexts - {own}) & anc:
                 return True
@@ -828,20 +485,13 @@ class _Reader:
         if not found:
             return None
         first = found[0]
-        later = self._descendants(first.op.index)
+        later = self.g.descendants(first.op.index)
         parallel = [p for p in found if p.op.index not in later or p is first]
         if len(parallel) == 1 or any(p.w.shape[1] != first.w.shape[1] for p in parallel):
             return first
         w = torch.cat([p.w for p in parallel], dim=0)
         names = tuple(sorted({n for p in parallel for n in p.params}))
         return Projection(first.op, w, first.b, names, first.input_node)
-
-    def _descendants(self, node: int) -> set[int]:
-        out = {node}
-        for op in self.ops[node + 1 :]:
-            if any(a in out for a in op.args):
-                out.add(op.index)
-        return out
 
     def _unused(self, call: ModuleCall | None, span) -> list[tuple[str, nn.Module | T]]:
         """Projection weights the layer holds and its computation never read: an output
@@ -913,7 +563,7 @@ class _Reader:
             s.causal = f"is_causal=True at {op.location}"
         mask = a.get("attn_mask")
         if mask is not None:
-            shape = _mask_shape(mask.bool() if mask.dtype == torch.bool else mask < -1e4)
+            shape = mask_shape(mask.bool() if mask.dtype == torch.bool else mask < -1e4)
             if shape is not None and shape[0] in ("causal", "anti-causal"):
                 s.causal = f"a {shape[0]} attn_mask at {op.location}"
         roots = self.g.roots(op.args[0]), self.g.roots(op.args[1])
@@ -936,23 +586,14 @@ def stage_of(rec: Recorder, st: Structure, index: int):
     a projection's path, the scores, the steps to the weights, the context, the output."""
     from ..stages import Stage
 
+    g = Graph(rec)
     ops = rec.ops
 
     def descendants(node: int) -> set[int]:
-        out = {node}
-        for op in ops[node + 1 :]:
-            if any(a in out for a in op.args):
-                out.add(op.index)
-        return out
+        return g.descendants(node)
 
     def ancestors(node: int) -> set[int]:
-        seen, stack = set(), [node]
-        while stack:
-            i = stack.pop()
-            if i not in seen:
-                seen.add(i)
-                stack.extend(ops[i].args)
-        return seen
+        return g.ancestors(node, every=True)
 
     core = st.cores[0]
     made = core.score or core.fused
@@ -970,7 +611,7 @@ def stage_of(rec: Recorder, st: Structure, index: int):
         steps = {ops[i].name for i in ancestors(index) & after}
         if steps & _SOFTMAX_LIKE or ops[index].name in _SOFTMAX_LIKE:
             return Stage.WEIGHTS
-        return Stage.MASKED_SCORES if steps & _MASKING and st.causal else Stage.SCALED_SCORES
+        return Stage.MASKED_SCORES if steps & MASKING_OPS and st.causal else Stage.SCALED_SCORES
     for node, stage in ((core.q_node, Stage.QUERIES), (core.k_node, Stage.KEYS)):
         if index in ancestors(node):
             return stage
@@ -1016,7 +657,7 @@ def projection_input(rec: Recorder, st: Structure, like: T) -> T | None:
     """In another call's record, what the query projection read, laid out as ``like``
     ``(batch, tokens, d)``: the reference input of a layer that transforms its input first."""
     q = st.roles["q"][0]
-    g = _Graph(rec)
+    g = Graph(rec)
     for op in rec.ops:
         if op.name != q.op.name or op.leaf is not None or not g.tainted[op.index]:
             continue
@@ -1035,203 +676,6 @@ def projection_input(rec: Recorder, st: Structure, like: T) -> T | None:
         if t.numel() == b * n * d:
             return t.reshape(*like.shape[:-1], d)
     return None
-
-
-def _mask_shape(hidden: T) -> tuple[str, int] | None:
-    """What a hidden-cells pattern is, on its last two axes: ``("causal", d)`` when it hides
-    keys ``j - i >= d``, ``("anti-causal", d)`` when it hides ``j - i <= d``, ``("window",
-    w)`` for a causal band ``w`` keys wide (the query included), or None."""
-    if hidden.dim() < 2:
-        return None
-    h = hidden.reshape(-1, *hidden.shape[-2:])[0]
-    n, m = h.shape
-    if n != m or n < 2:
-        return None
-    ones = torch.ones(n, n, dtype=torch.bool)
-    for d in range(-n + 1, n + 1):
-        if torch.equal(h, ones.triu(d)):
-            return ("causal", d)
-        if torch.equal(h, ones.tril(d)):
-            return ("anti-causal", d)
-    for w in range(1, n):
-        if torch.equal(h, ones.triu(1) | ones.tril(-w)):
-            return ("window", w)
-    return None
-
-
-class _Features:
-    """Causal masks and the features not modelled yet, each found on its path."""
-
-    def __init__(self, reader: _Reader, s: Structure, after_context):
-        self.r, self.s, self.g, self.ops = reader, s, reader.g, reader.ops
-        self.after_context = after_context
-
-    def find(self) -> None:
-        s = self.s
-        self._cross()
-        if s.heads and s.kv_heads and s.kv_heads != s.heads:
-            self._refuse(
-                f"grouped key/value heads ({s.heads} query heads, {s.kv_heads} key/value heads)",
-                s.roles["k"][0].op.location if s.roles["k"] else None,
-            )
-        for core in s.cores:
-            for role, node in (("queries", core.q_node), ("keys", core.k_node)):
-                self._qk_path(role, node)
-            self._score_path(core)
-
-    def _refuse(self, what: str, where: str | None) -> None:
-        at = f" at {where}" if where else ""
-        raise Unsupported(f"not supported yet: {what}{at}")
-
-    def _cross(self) -> None:
-        s = self.s
-        q = (
-            set().union(*(self.g.roots(p.input_node) for p in s.roles["q"]))
-            if s.roles["q"]
-            else set()
-        )
-        for role in ("k", "v"):
-            for p in s.roles[role]:
-                if q and self.g.roots(p.input_node) != q:
-                    self._refuse(
-                        "cross-attention (keys and values projected from another input than "
-                        "the queries)",
-                        p.op.location,
-                    )
-
-    def _path(self, node: int, stops: set[int]) -> list[Op]:
-        """The ops between the projections (or the layer's input) and a core operand."""
-        start = self.s.call.start if self.s.call is not None else 0
-        before = {op.index for op in self.ops[:start]}
-        seen = self.r._ancestors(node, stop=stops | before)
-        return [
-            self.ops[i]
-            for i in sorted(seen)
-            if i not in stops and i >= start and self.ops[i].leaf is None
-        ]
-
-    def _qk_path(self, role: str, node: int) -> None:
-        stops = {p.op.index for ps in self.s.roles.values() for p in ps}
-        for op in self._path(node, stops):
-            name = op.name
-            if name in _ROTARY_CALLS:
-                self._refuse("rotary position embedding (complex rotation)", op.location)
-            if name in _NORM_CALLS:
-                self._refuse(f"a norm applied to the {role} (QK norm)", op.location)
-            if name in _STRUCTURAL or name not in (_SCALAR_OPS | {"add", "__add__", "sub"}):
-                continue
-            consts = [self.ops[a].output for a in op.args if not self.g.tainted[a]]
-            varying = [t for t in consts if t.numel() > 1 and not bool((t == t.flatten()[0]).all())]
-            if varying:
-                rotates = any(
-                    o.name in ("cat", "neg", "__neg__", "stack", "flip")
-                    for o in self._path(node, stops)
-                )
-                what = (
-                    "rotary position embedding (cos/sin tables)"
-                    if rotates
-                    else f"a position- or feature-dependent factor on the {role}"
-                )
-                self._refuse(what, op.location)
-
-    def _score_path(self, core: Core) -> None:
-        s = self.s
-        if core.fused is not None:
-            return self._fused_masks(core)
-        start = core.score.index
-        end = core.context.index
-        reach = {start}
-        for op in self.ops[start + 1 : end + 1]:
-            if any(a in reach for a in op.args):
-                reach.add(op.index)
-        for i in sorted(reach):
-            op = self.ops[i]
-            if op.name not in _MASKING or i == start:
-                continue
-            evidence = self._mask_of(op, reach)
-            if evidence is None:
-                continue
-            kind, detail = evidence
-            if kind == "bias":
-                self._refuse(detail, op.location)
-            if kind == "window":
-                self._refuse(f"a sliding-window mask ({detail})", op.location)
-            if s.causal is None:
-                s.causal = f"{detail} at {op.location}"
-
-    def _mask_of(self, op: Op, reach: set[int]) -> tuple[str, str] | None:
-        """What a masking op does to the score path: a mask (causal or not) or a bias."""
-        name = op.name
-        if name in ("tril", "triu", "tril_", "triu_"):
-            n = op.output.shape[-1]
-            d = op.call_args[1] if len(op.call_args) > 1 else op.call_kwargs.get("diagonal", 0)
-            ones = torch.ones(n, n, dtype=torch.bool)
-            hidden = ~ones.tril(d) if name.startswith("tril") else ~ones.triu(d)
-            return self._judge_hidden(hidden, f"{name} on the scores")
-        consts = [(pos, self.ops[a].output) for pos, a in enumerate(op.args) if a not in reach]
-        consts = [(pos, t) for pos, t in consts if not self.g.tainted[op.args[pos]]]
-        if not consts:
-            return None
-        if name in ("masked_fill", "masked_fill_"):
-            mask = next((t for _, t in consts if t.dtype == torch.bool), None)
-            return None if mask is None else self._judge_hidden(mask, "a masked_fill")
-        if name == "where":
-            cond = op.args[0] if op.args else None
-            if cond is None or cond in reach:
-                return None
-            c = self.ops[cond].output.bool()
-            scores_first = len(op.args) > 1 and op.args[1] in reach
-            return self._judge_hidden(~c if scores_first else c, "torch.where")
-        t = consts[0][1]
-        if t.numel() <= 1 or t.dim() < 2:
-            return None
-        if name in ("mul", "__mul__", "__rmul__", "mul_"):
-            return self._judge_hidden(t == 0, "a multiplicative mask")
-        # additive: a mask (0 / very negative) or a bias (many finite values)
-        t64 = t.double()
-        finite = t64[torch.isfinite(t64) & (t64 > -1e4)]
-        distinct = torch.unique(finite).numel()
-        if distinct > 2:
-            learned = self.g.param[op.args[consts[0][0]]]
-            what = (
-                "a learned relative position bias added to the scores"
-                if learned
-                else "a position bias added to the scores (ALiBi)"
-            )
-            return ("bias", what)
-        return self._judge_hidden(~torch.isfinite(t64) | (t64 < -1e4), "an additive mask")
-
-    def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
-        shape = _mask_shape(hidden)
-        if shape is None:
-            return None
-        kind, d = shape
-        if kind == "window":
-            return ("window", f"each query sees {d} keys, itself included")
-        return ("mask", f"a triangular mask ({how})")
-
-    def _fused_masks(self, core: Core) -> None:
-        op = core.fused
-        names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
-        bound = dict(zip(names, op.call_args, strict=False))
-        bound.update(op.call_kwargs)
-        if bound.get("is_causal"):
-            self.s.causal = self.s.causal or f"is_causal=True at {op.location}"
-        mask = bound.get("attn_mask")
-        if isinstance(mask, torch.Tensor):
-            if mask.dtype == torch.bool:
-                found = self._judge_hidden(~mask, "a boolean attn_mask")
-            else:
-                m = mask.double()
-                finite = m[torch.isfinite(m) & (m > -1e4)]
-                if torch.unique(finite).numel() > 2:
-                    self._refuse("a position bias passed as attn_mask", op.location)
-                found = self._judge_hidden(~torch.isfinite(m) | (m < -1e4), "an additive attn_mask")
-            if found is not None:
-                kind, detail = found
-                if kind == "window":
-                    self._refuse(f"a sliding-window mask ({detail})", op.location)
-                self.s.causal = self.s.causal or f"{detail} at {op.location}"
 
 
 _ROLE_WORDS = {

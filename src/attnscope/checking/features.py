@@ -1,0 +1,228 @@
+"""What the layer's computation does on the way to and from the scores beyond textbook
+attention: a causal mask (the evidence for the kind), and the features the checker does not
+model yet (rotary positions, QK norm, grouped key/value heads, position biases, sliding
+windows, cross-attention), refused with the line that shows them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import AttnScopeError
+from .dataflow import LAYOUT_OPS
+from .record import Op
+
+if TYPE_CHECKING:  # the structure reader hands itself in
+    from .dataflow import Graph
+    from .structure import Core, Structure
+
+__all__ = ["Unsupported", "Features", "mask_shape", "MASKING_OPS"]
+
+T = torch.Tensor
+
+_SCALAR_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "__rtruediv__", "mul_", "div_"}
+_ROTARY_CALLS = {"view_as_complex", "view_as_real", "polar", "complex"}
+_NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt"}
+MASKING_OPS = {"masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub"}
+MASKING_OPS |= {"__sub__", "mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
+
+
+class Unsupported(AttnScopeError):
+    """The layer holds something the checker does not model yet: no verdict is given."""
+
+
+def mask_shape(hidden: T) -> tuple[str, int] | None:
+    """What a hidden-cells pattern is, on its last two axes: ``("causal", d)`` when it hides
+    keys ``j - i >= d``, ``("anti-causal", d)`` when it hides ``j - i <= d``, ``("window",
+    w)`` for a causal band ``w`` keys wide (the query included), or None."""
+    if hidden.dim() < 2:
+        return None
+    h = hidden.reshape(-1, *hidden.shape[-2:])[0]
+    n, m = h.shape
+    if n != m or n < 2:
+        return None
+    ones = torch.ones(n, n, dtype=torch.bool)
+    for d in range(-n + 1, n + 1):
+        if torch.equal(h, ones.triu(d)):
+            return ("causal", d)
+        if torch.equal(h, ones.tril(d)):
+            return ("anti-causal", d)
+    for w in range(1, n):
+        if torch.equal(h, ones.triu(1) | ones.tril(-w)):
+            return ("window", w)
+    return None
+
+
+class Features:
+    """Causal masks and the features not modelled yet, each found on its path."""
+
+    def __init__(self, g: Graph, s: Structure):
+        self.s, self.g, self.ops = s, g, g.ops
+
+    def find(self) -> None:
+        s = self.s
+        self._cross()
+        if s.heads and s.kv_heads and s.kv_heads != s.heads:
+            self._refuse(
+                f"grouped key/value heads ({s.heads} query heads, {s.kv_heads} key/value heads)",
+                s.roles["k"][0].op.location if s.roles["k"] else None,
+            )
+        for core in s.cores:
+            for role, node in (("queries", core.q_node), ("keys", core.k_node)):
+                self._qk_path(role, node)
+            self._score_path(core)
+
+    def _refuse(self, what: str, where: str | None) -> None:
+        at = f" at {where}" if where else ""
+        raise Unsupported(f"not supported yet: {what}{at}")
+
+    def _cross(self) -> None:
+        s = self.s
+        q = (
+            set().union(*(self.g.roots(p.input_node) for p in s.roles["q"]))
+            if s.roles["q"]
+            else set()
+        )
+        for role in ("k", "v"):
+            for p in s.roles[role]:
+                if q and self.g.roots(p.input_node) != q:
+                    self._refuse(
+                        "cross-attention (keys and values projected from another input than "
+                        "the queries)",
+                        p.op.location,
+                    )
+
+    def _path(self, node: int, stops: set[int]) -> list[Op]:
+        """The ops between the projections (or the layer's input) and a core operand."""
+        start = self.s.call.start if self.s.call is not None else 0
+        before = {op.index for op in self.ops[:start]}
+        seen = self.g.ancestors(node, stop=stops | before)
+        return [
+            self.ops[i]
+            for i in sorted(seen)
+            if i not in stops and i >= start and self.ops[i].leaf is None
+        ]
+
+    def _qk_path(self, role: str, node: int) -> None:
+        stops = {p.op.index for ps in self.s.roles.values() for p in ps}
+        for op in self._path(node, stops):
+            name = op.name
+            if name in _ROTARY_CALLS:
+                self._refuse("rotary position embedding (complex rotation)", op.location)
+            if name in _NORM_CALLS:
+                self._refuse(f"a norm applied to the {role} (QK norm)", op.location)
+            if name in LAYOUT_OPS or name not in (_SCALAR_OPS | {"add", "__add__", "sub"}):
+                continue
+            consts = [self.ops[a].output for a in op.args if not self.g.tainted[a]]
+            varying = [t for t in consts if t.numel() > 1 and not bool((t == t.flatten()[0]).all())]
+            if varying:
+                rotates = any(
+                    o.name in ("cat", "neg", "__neg__", "stack", "flip")
+                    for o in self._path(node, stops)
+                )
+                what = (
+                    "rotary position embedding (cos/sin tables)"
+                    if rotates
+                    else f"a position- or feature-dependent factor on the {role}"
+                )
+                self._refuse(what, op.location)
+
+    def _score_path(self, core: Core) -> None:
+        s = self.s
+        if core.fused is not None:
+            return self._fused_masks(core)
+        start = core.score.index
+        end = core.context.index
+        reach = {start}
+        for op in self.ops[start + 1 : end + 1]:
+            if any(a in reach for a in op.args):
+                reach.add(op.index)
+        for i in sorted(reach):
+            op = self.ops[i]
+            if op.name not in MASKING_OPS or i == start:
+                continue
+            evidence = self._mask_of(op, reach)
+            if evidence is None:
+                continue
+            kind, detail = evidence
+            if kind == "bias":
+                self._refuse(detail, op.location)
+            if kind == "window":
+                self._refuse(f"a sliding-window mask ({detail})", op.location)
+            if s.causal is None:
+                s.causal = f"{detail} at {op.location}"
+
+    def _mask_of(self, op: Op, reach: set[int]) -> tuple[str, str] | None:
+        """What a masking op does to the score path: a mask (causal or not) or a bias."""
+        name = op.name
+        if name in ("tril", "triu", "tril_", "triu_"):
+            n = op.output.shape[-1]
+            d = op.call_args[1] if len(op.call_args) > 1 else op.call_kwargs.get("diagonal", 0)
+            ones = torch.ones(n, n, dtype=torch.bool)
+            hidden = ~ones.tril(d) if name.startswith("tril") else ~ones.triu(d)
+            return self._judge_hidden(hidden, f"{name} on the scores")
+        consts = [(pos, self.ops[a].output) for pos, a in enumerate(op.args) if a not in reach]
+        consts = [(pos, t) for pos, t in consts if not self.g.tainted[op.args[pos]]]
+        if not consts:
+            return None
+        if name in ("masked_fill", "masked_fill_"):
+            mask = next((t for _, t in consts if t.dtype == torch.bool), None)
+            return None if mask is None else self._judge_hidden(mask, "a masked_fill")
+        if name == "where":
+            cond = op.args[0] if op.args else None
+            if cond is None or cond in reach:
+                return None
+            c = self.ops[cond].output.bool()
+            scores_first = len(op.args) > 1 and op.args[1] in reach
+            return self._judge_hidden(~c if scores_first else c, "torch.where")
+        t = consts[0][1]
+        if t.numel() <= 1 or t.dim() < 2:
+            return None
+        if name in ("mul", "__mul__", "__rmul__", "mul_"):
+            return self._judge_hidden(t == 0, "a multiplicative mask")
+        # additive: a mask (0 / very negative) or a bias (many finite values)
+        t64 = t.double()
+        finite = t64[torch.isfinite(t64) & (t64 > -1e4)]
+        distinct = torch.unique(finite).numel()
+        if distinct > 2:
+            learned = self.g.param[op.args[consts[0][0]]]
+            what = (
+                "a learned relative position bias added to the scores"
+                if learned
+                else "a position bias added to the scores (ALiBi)"
+            )
+            return ("bias", what)
+        return self._judge_hidden(~torch.isfinite(t64) | (t64 < -1e4), "an additive mask")
+
+    def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
+        shape = mask_shape(hidden)
+        if shape is None:
+            return None
+        kind, d = shape
+        if kind == "window":
+            return ("window", f"each query sees {d} keys, itself included")
+        return ("mask", f"a triangular mask ({how})")
+
+    def _fused_masks(self, core: Core) -> None:
+        op = core.fused
+        names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
+        bound = dict(zip(names, op.call_args, strict=False))
+        bound.update(op.call_kwargs)
+        if bound.get("is_causal"):
+            self.s.causal = self.s.causal or f"is_causal=True at {op.location}"
+        mask = bound.get("attn_mask")
+        if isinstance(mask, torch.Tensor):
+            if mask.dtype == torch.bool:
+                found = self._judge_hidden(~mask, "a boolean attn_mask")
+            else:
+                m = mask.double()
+                finite = m[torch.isfinite(m) & (m > -1e4)]
+                if torch.unique(finite).numel() > 2:
+                    self._refuse("a position bias passed as attn_mask", op.location)
+                found = self._judge_hidden(~torch.isfinite(m) | (m < -1e4), "an additive attn_mask")
+            if found is not None:
+                kind, detail = found
+                if kind == "window":
+                    self._refuse(f"a sliding-window mask ({detail})", op.location)
+                self.s.causal = self.s.causal or f"{detail} at {op.location}"

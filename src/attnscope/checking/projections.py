@@ -1,0 +1,226 @@
+"""Projections read back from the calls that applied them: ``x @ W + b`` whatever the call
+(``F.linear``, ``x @ W``, ``addmm`` as GPT-2's ``Conv1D`` does, an ``einsum`` with a kernel,
+a weight on either side), whatever holds the parameter."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .compare import close
+from .dataflow import Graph, replace_tensor
+from .record import Op, tensors_in
+
+__all__ = ["Projection", "LINEAR_OPS", "read_projection", "fold_bias"]
+
+T = torch.Tensor
+
+#: calls that can apply a weight to a tensor, or multiply two tensors made from the input
+LINEAR_OPS = {
+    "linear",
+    "matmul",
+    "__matmul__",
+    "__rmatmul__",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "einsum",
+    "tensordot",
+    "conv1d",
+}
+
+
+@dataclass
+class Projection:
+    """One projection as the computation applied it: ``x @ w + b``, ``w`` ``(d_in, d_out)``.
+
+    ``params`` are the dotted names of the parameters it read (labels only).
+    """
+
+    op: Op
+    w: T
+    b: T | None
+    params: tuple[str, ...]
+    input_node: int
+    weight_names: tuple[str, ...] = ()  # the parameters read as the weight, where known
+    bias_names: tuple[str, ...] = ()  # ... and as the bias
+    #: the bias that belongs with the weight (the same Linear's, or the parameter paired
+    #: with it), when the call applied another one or none
+    companion: tuple[str, T] | None = None
+
+    @property
+    def width(self) -> int:
+        return self.w.shape[1]
+
+    @property
+    def source(self) -> str:
+        what = "+".join(self.params) if self.params else "a projection"
+        return f"{what} ({self.op.name} at {self.op.location})" if self.op.location else what
+
+
+def _exact(op: Op, x: T) -> tuple[T, T | None] | None:
+    """``(W, b)`` read straight from the arguments of the common linear calls."""
+    args = op.call_args
+    f64 = torch.float64
+    if op.name == "linear" and len(args) >= 2 and args[0] is x:
+        w = args[1]
+        b = args[2] if len(args) > 2 else op.call_kwargs.get("bias")
+        if isinstance(w, torch.Tensor) and w.dim() == 2:
+            return w.detach().to(f64).T, None if b is None else b.detach().to(f64)
+    if op.name == "addmm" and len(args) >= 3 and args[1] is x and not op.call_kwargs:
+        b, w = args[0], args[2]
+        if w.dim() == 2 and b.dim() <= 1:
+            return w.detach().to(f64), b.detach().to(f64).expand(w.shape[1]).clone()
+    if op.name in ("matmul", "__matmul__", "mm") and len(args) == 2 and args[0] is x:
+        w = args[1]
+        if isinstance(w, torch.Tensor) and w.dim() == 2:
+            return w.detach().to(f64), None
+    return None
+
+
+def _contracted(op: Op, x: T) -> list[int] | None:
+    """The axes of ``x`` a linear call sums over (its features), by what the call does."""
+    args = op.call_args
+    name = op.name
+    if name == "linear":
+        return [x.dim() - 1]
+    if name in ("matmul", "__matmul__", "mm", "bmm") and len(args) >= 2:
+        return [x.dim() - 1] if args[0] is x else [max(x.dim() - 2, 0)]
+    if name == "__rmatmul__" and len(args) >= 2:  # other @ self
+        return [max(x.dim() - 2, 0)] if args[0] is x else [x.dim() - 1]
+    if name in ("addmm", "baddbmm") and len(args) >= 3:
+        return [x.dim() - 1] if args[1] is x else [max(x.dim() - 2, 0)]
+    if name == "einsum":
+        eq = args[0] if args and isinstance(args[0], str) else None
+        operands = list(tensors_in(args[1:]))
+        if eq is None or "->" not in eq or "..." in eq:
+            return None
+        lhs, out = eq.replace(" ", "").split("->")
+        parts = lhs.split(",")
+        for spec, t in zip(parts, operands, strict=False):
+            if t is x:
+                return [i for i, c in enumerate(spec) if c not in out]
+        return None
+    return [x.dim() - 1]
+
+
+def _row_axes(x: T, out: T, features: list[int]) -> list[int] | None:
+    """Where the rows of ``x`` (its axes other than ``features``) sit in ``out``: matched
+    by size, in order (``(B, T, d) -> (B, H, T, hd)`` keeps B at 0 and T at 2)."""
+    where: list[int] = []
+    j = 0
+    for i in range(x.dim()):
+        if i in features:
+            continue
+        while j < out.dim() and out.shape[j] != x.shape[i]:
+            j += 1
+        if j == out.dim():
+            return None
+        where.append(j)
+        j += 1
+    return where
+
+
+def _rows_first(t: T, rows: list[int]) -> T:
+    """``t`` as ``(rows, features)``: its row axes first, the rest flattened in order."""
+    rest = [i for i in range(t.dim()) if i not in rows]
+    n = math.prod(t.shape[i] for i in rows)
+    return t.permute(*rows, *rest).reshape(n, -1)
+
+
+def _by_basis(op: Op, x: T, made: T) -> tuple[T, T | None] | None:
+    """``(W, b)`` of any call that is affine in ``x`` row by row: re-run it on unit rows.
+
+    The features are the axes the call sums over; the rows, the other axes of ``x``, which
+    the output keeps (in whatever place).
+    """
+    features = _contracted(op, x)
+    if features is None or op.func is None:
+        return None
+    x_rows = [i for i in range(x.dim()) if i not in features]
+    where = _row_axes(x, made, features)
+    if where is None:
+        return None
+    rows = math.prod(x.shape[i] for i in x_rows)
+    d_in = math.prod(x.shape[i] for i in features)
+    perm = x_rows + features
+    inverse = [perm.index(i) for i in range(x.dim())]
+    laid = [x.shape[i] for i in perm]
+    basis = torch.cat([torch.zeros(1, d_in), torch.eye(d_in)]).to(x.dtype)
+    ys = []
+    with torch.no_grad():
+        for start in range(0, d_in + 1, max(rows, 1)):
+            chunk = basis[start : start + rows]
+            pad = torch.zeros(rows - chunk.shape[0], d_in, dtype=x.dtype)
+            probe = torch.cat([chunk, pad]).reshape(laid).permute(inverse)
+            try:
+                y = op.func(
+                    *replace_tensor(op.call_args, x, probe),
+                    **replace_tensor(op.call_kwargs, x, probe),
+                )
+            except Exception:  # a call that cannot take other rows is not a projection
+                return None
+            if not isinstance(y, torch.Tensor) or y.shape != made.shape:
+                return None
+            ys.append(_rows_first(y, where)[: chunk.shape[0]].double())
+    y = torch.cat(ys)
+    b, w = y[0], y[1:] - y[0]
+    got = _rows_first(x.detach().double(), x_rows) @ w + b
+    if not close(_rows_first(made, where), got, rtol=1e-3):
+        return None  # not one affine map applied row by row
+    return w, (None if bool((b == 0).all()) else b)
+
+
+def read_projection(g: Graph, op: Op) -> Projection | None:
+    if op.name not in LINEAR_OPS or op.func is None:
+        return None
+    tainted = g.tainted_args(op)
+    if len(tainted) != 1 or not g.tainted[op.index] or op.position != 0:
+        return None
+    if not any(g.param[a] for a in op.args):
+        return None
+    x = g.original(tainted[0])
+    made = op.output
+    if op.stale:  # changed in place since (q *= scale): what the call made, made again
+        with torch.no_grad():
+            made = op.func(*op.call_args, **op.call_kwargs)
+        if not isinstance(made, torch.Tensor):
+            return None
+    found = _exact(op, x)
+    if found is not None:  # confirm: the map read from the arguments makes the output
+        w, b = found
+        got = x.detach().double().reshape(-1, w.shape[0]) @ w + (0 if b is None else b)
+        if got.numel() != made.numel() or not close(made.reshape(got.shape), got, rtol=1e-3):
+            found = None
+    found = found or _by_basis(op, x, made)
+    if found is None:
+        return None
+    w, b = found
+    # which arguments were the weight and the bias (for the common calls)
+    w_at, b_at = {"linear": (1, 2), "addmm": (2, 0), "matmul": (1, None)}.get(op.name, (None, None))
+    w_at, b_at = (1, None) if op.name in ("__matmul__", "mm") else (w_at, b_at)
+    wn = g.params_of(op, [op.args[w_at]]) if w_at is not None and w_at < len(op.args) else ()
+    bn = g.params_of(op, [op.args[b_at]]) if b_at is not None and b_at < len(op.args) else ()
+    return Projection(op, w, b, g.params_of(op), tainted[0], wn, bn)
+
+
+def fold_bias(g: Graph, op: Op, projs: dict[int, Projection]) -> Projection | None:
+    """``x @ W + b`` written as two calls: the addition of a parameter vector to a
+    projection's output is part of the projection."""
+    if op.name not in ("add", "__add__", "__radd__", "add_") or len(op.args) != 2:
+        return None
+    made = [a for a in op.args if a in projs]
+    other = [a for a in op.args if a not in projs]
+    if len(made) != 1 or len(other) != 1 or not g.param[other[0]]:
+        return None
+    p, bias = projs[made[0]], g.ops[other[0]].output
+    if bias.numel() != p.width or (bias.dim() and bias.shape[-1] != p.width):
+        return None
+    if op.output.shape != g.ops[made[0]].output.shape:
+        return None
+    b = bias.detach().double().reshape(-1) + (0 if p.b is None else p.b)
+    names = g.params_of(op, [other[0]])
+    return Projection(op, p.w, b, (*p.params, *names), p.input_node, p.weight_names, names)
