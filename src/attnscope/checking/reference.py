@@ -162,35 +162,45 @@ def pipeline(
         stage name -> tensor. Per-head stages are ``(B, H, T, *)`` for multi-head kinds and
         ``(B, T, *)`` otherwise; ``output`` is ``(B, T, d)``.
     """
+    sub = {  # stages the mutation takes from the user's own tensors
+        name: (t.unsqueeze(1) if not spec.multihead and t.dim() == 3 and name != "output" else t)
+        for name, t in mut.replace.items()
+    }
+    stages = _heads(x, spec, w, mut, proj, sub)
+    stages.update(_weights(stages, spec, mut, sub, batched, nan_rows))
+    stages.update(_output(stages, spec, w, mut, sub))
+    return _for_kind(stages, spec)
+
+
+def _heads(x: T, spec: Spec, w: Weights | None, mut: Mutation, proj, sub) -> dict[str, T]:
+    """Queries, keys and values cut into heads: ``(B, H, T, hd)`` each."""
     q, k, v = proj if proj is not None else project(x, spec, w)
     if mut.qkv is not None:
         q, k, v = mut.qkv(q, k, v)
     if mut.swap_batch:  # (B, T, D) read as (T, B, D): each position attends across the batch
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-    heads = spec.num_heads
     cut = mut.split or split
-    qh, kh, vh = cut(q, heads), cut(k, heads), cut(v, heads)
-    sub = {
-        name: (t.unsqueeze(1) if not spec.multihead and t.dim() == 3 and name != "output" else t)
-        for name, t in mut.replace.items()
-    }
+    qh, kh, vh = (cut(t, spec.num_heads) for t in (q, k, v))
     qh, kh, vh = sub.get("queries", qh), sub.get("keys", kh), sub.get("values", vh)
-    b, h, n, _ = qh.shape
+    return {"queries": qh, "keys": kh, "values": vh}
+
+
+def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows) -> dict:
+    """Scores, scaled scores, masked scores (causal kinds) and weights: ``(B, H, T, T)``."""
+    qh, kh = st["queries"], st["keys"]
     if mut.flatten_batch:  # the batch folded into the tokens: every sequence sees all others
-        qh, kh, vh = (t.transpose(0, 1).reshape(1, h, b * n, -1) for t in (qh, kh, vh))
-    scores = mut.scores(qh, kh) if mut.scores else qh @ kh.transpose(-2, -1)
-    scores = sub.get("scores", scores)
+        qh, kh = (_fold_batch(t) for t in (qh, kh))
+    scores = sub.get("scores", mut.scores(qh, kh) if mut.scores else qh @ kh.transpose(-2, -1))
     scaled = scores * (spec.scale if mut.scale is None else mut.scale)
-    scaled = sub.get("scaled_scores", scaled)
-    logits = scaled
+    scaled = logits = sub.get("scaled_scores", scaled)
     masked = None
     if spec.causal:
-        masked = (
-            mut.mask(scaled)
-            if mut.mask
-            else scaled.masked_fill(causal_hide(scaled.shape[-1]), -torch.inf)
+        hide = (
+            (lambda s: s.masked_fill(causal_hide(s.shape[-1]), -torch.inf))
+            if not mut.mask
+            else mut.mask
         )
-        logits = masked = sub.get("masked_scores", masked)
+        logits = masked = sub.get("masked_scores", hide(scaled))
     if mut.user_dim is not None:
         # the user's axis numbers count the user's layout: (B,) (H,) T_q, T_k
         layout = ([0] if batched else []) + ([1] if spec.multihead else []) + [2, 3]
@@ -204,27 +214,35 @@ def pipeline(
     if nan_rows is not None:
         weights = weights.nan_to_num(nan_rows)
     weights = sub.get("weights", weights)
-    context = mut.context(weights, vh) if mut.context else weights @ vh
-    context = sub.get("context", context)
+    return {"scores": scores, "scaled_scores": scaled, "masked_scores": masked, "weights": weights}
+
+
+def _output(st: dict[str, T], spec: Spec, w: Weights | None, mut: Mutation, sub) -> dict:
+    """Context ``(B, H, T, hd)``, then the heads merged and projected: ``(B, T, d)``."""
+    vh = _fold_batch(st["values"]) if mut.flatten_batch else st["values"]
+    weights = st["weights"]
+    context = sub.get("context", mut.context(weights, vh) if mut.context else weights @ vh)
     if mut.flatten_batch:
+        b, h, n = st["values"].shape[:3]
         context = context.reshape(h, b, n, -1).transpose(0, 1)
-    merged = mut.merge(context) if mut.merge else merge(context)
-    out = merged
+    out = mut.merge(context) if mut.merge else merge(context)
     if spec.has_out and not mut.skip_out:
-        out = _lin(merged, w.o, w.bo)
+        out = _lin(out, w.o, w.bo)
     if mut.swap_batch:
         out = out.transpose(0, 1)
-    stages = {
-        Stage.QUERIES.value: qh,
-        Stage.KEYS.value: kh,
-        Stage.VALUES.value: vh,
-        Stage.SCORES.value: scores,
-        Stage.SCALED_SCORES.value: scaled,
-        Stage.MASKED_SCORES.value: masked,
-        Stage.WEIGHTS.value: weights,
-        Stage.CONTEXT.value: context,
-        Stage.OUTPUT.value: out,
-    }
+    return {"context": context, "output": out}
+
+
+def _fold_batch(t: T) -> T:
+    """``(B, H, T, X) -> (1, H, B*T, X)``: one long sequence of every sequence's tokens."""
+    b, h, n, _ = t.shape
+    return t.transpose(0, 1).reshape(1, h, b * n, -1)
+
+
+def _for_kind(stages: dict[str, T], spec: Spec) -> dict[str, T]:
+    """The stages the kind has, in pipeline order, single-head ones without a head axis."""
+    order = [s.value for s in Stage if s.value in stages]
+    stages = {name: stages[name] for name in order}
     if spec.simplified:
         for name in ("queries", "keys", "values", "scaled_scores"):
             stages.pop(name)
