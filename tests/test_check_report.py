@@ -29,6 +29,14 @@ def test_packaged_schema_is_the_shared_contract():
     assert json.loads(SCHEMA.read_text()) == json.loads(shared.read_text())
 
 
+def test_packaged_vocabulary_is_the_shared_contract():
+    """The vocabulary shipped beside the schema is the one in shared/."""
+    shared = ROOT.parent / "shared" / "contract" / "VOCABULARY.md"
+    if not shared.exists():
+        pytest.skip("../shared/contract is not beside this checkout")
+    assert (SCHEMA.parent / "VOCABULARY.md").read_text() == shared.read_text()
+
+
 def test_contract_names_match_the_code(report_schema):
     """Stage names and mistake codes in the code are exactly the contract's."""
     stages = report_schema["$defs"]["stage"]["enum"]

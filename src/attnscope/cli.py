@@ -207,10 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="run someone's attention code and name the first stage that goes wrong",
         description="Check an attention implementation against the reference pipeline, stage "
-        "by stage, stopping at the first stage that diverges. TARGET is a file path or "
-        "'module:attr' (see the checker's documentation).",
+        "by stage, stopping at the first stage that diverges. The layer's structure (queries, "
+        "keys, values, heads, output projection, causal mask) is read from what it computes; "
+        "a wrapper, block or decoder layer is searched for the attention it holds. A layer "
+        "with something not modelled yet (rotary positions, grouped heads, ...) is refused.",
+        epilog="TARGET is path/to/file.py:NAME or package.module:NAME, NAME being an nn.Module "
+        "class (built from constructor arguments inferred from their names, or --init), a "
+        "zero-argument function that returns a module, a module instance, or a plain function "
+        "f(inputs) (--kind simplified) or f(inputs, query_index) (--kind scores). Examples: "
+        "attnscope check model.py:CausalSelfAttention; attnscope check model.py:Block; "
+        "attnscope check mypkg.layers:make_attention --json. Exit codes: 0 correct, 1 a "
+        "divergence found, 2 the check could not be done (with one message).",
     )
-    check.add_argument("target", metavar="TARGET", help="the implementation to check")
+    check.add_argument("target", metavar="TARGET", help="the implementation to check (see below)")
     check.add_argument("--kind", choices=KINDS, help="the kind of attention (default: inferred)")
     check.add_argument(
         "--json",
@@ -237,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--weights",
         metavar="query=NAME,key=NAME,value=NAME,out=NAME",
-        help="which attributes hold the projection weights, when the names are unusual",
+        help="override which parameters or submodules hold the projection weights (they are "
+        "found from the computation; names only break ties)",
     )
     check.add_argument(
         "--tokens",

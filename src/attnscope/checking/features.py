@@ -13,9 +13,9 @@ from ..errors import AttnScopeError
 from .dataflow import LAYOUT_OPS
 from .record import Op
 
-if TYPE_CHECKING:  # the structure reader hands itself in
+if TYPE_CHECKING:
     from .dataflow import Graph
-    from .structure import Core, Structure
+    from .layer import Core, Structure
 
 __all__ = ["Unsupported", "Features", "mask_shape", "MASKING_OPS"]
 

@@ -19,6 +19,7 @@ none is seen, from outputs that ignore later tokens).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
@@ -50,13 +51,16 @@ _WEIGHTLESS_WIDTH = 5  # d_in for a module without weights (simplified attention
 
 def first_tensor(result: object) -> object:
     """What a call returned, reduced to the attention output: the first element of a tuple
-    or list, the first tensor of a dict (``{"out": ..., "attn": ...}``)."""
+    or list, the first tensor of a dict (``{"out": ..., "attn": ...}``) or a dataclass."""
     if isinstance(result, (tuple, list)) and result:
         return result[0]
     if isinstance(result, dict):
         return next((v for v in result.values() if isinstance(v, torch.Tensor)), result)
     if hasattr(result, "to_tuple"):  # Hugging Face ModelOutput
         return result.to_tuple()[0]
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        found = (getattr(result, f.name) for f in dataclasses.fields(result))
+        return next((v for v in found if isinstance(v, torch.Tensor)), result)
     return result
 
 

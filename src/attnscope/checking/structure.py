@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import linecache
 import re
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +35,7 @@ from torch import nn
 from ..errors import AttnScopeError
 from .dataflow import LAYOUT_OPS, Graph
 from .features import MASKING_OPS, Features, Unsupported, mask_shape
+from .layer import Core, Structure
 from .projections import Projection, fold_bias, read_projection
 from .record import ModuleCall, Op, Recorder, tensors_in
 
@@ -54,65 +54,6 @@ __all__ = [
 T = torch.Tensor
 
 _PRODUCT = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "einsum", "tensordot"}
-
-
-@dataclass
-class Core:
-    """One attention computation: a scores product and its context product, or one fused
-    call. ``*_node`` are the operands as the computation used them."""
-
-    q_node: int
-    k_node: int
-    v_node: int | None
-    head_dim: int
-    score: Op | None = None
-    context: Op | None = None
-    fused: Op | None = None
-
-
-@dataclass
-class Structure:
-    """What one recorded call says about the layer. See the module docstring."""
-
-    layer: str  # dotted module path of the attention layer; "" for the target itself
-    call: ModuleCall | None  # its call in the record (None for the target itself)
-    input_node: int | None  # the tensor its projections read
-    roles: dict[str, list[Projection]]  # "q", "k", "v" -> projections, in head order
-    shared: dict[str, str]  # role -> the role whose projection it shares (combined weights)
-    out: Projection | None
-    unused: list[tuple[str, nn.Module | T]]  # the layer's projection weights never used
-    heads: int | None
-    kv_heads: int | None
-    head_dim: int | None
-    cores: list[Core]
-    causal: str | None = None  # the evidence, with its line
-    notes: list[str] = field(default_factory=list)
-    #: ops inside the layer between its input and what the projections read (a norm the
-    #: layer applies first): the stages are then checked from what the projections read
-    pre: list[Op] = field(default_factory=list)
-
-    @property
-    def weightless(self) -> bool:
-        return not any(self.roles.values())
-
-    def describe(self) -> str:
-        """``3 heads of 4 (queries: c_attn.weight (addmm at f.py:12), ...)``."""
-        bits = []
-        for role, label in (("q", "queries"), ("k", "keys"), ("v", "values")):
-            projs = self.roles.get(role) or []
-            if not projs:
-                continue
-            if role in self.shared:
-                continue
-            names = sorted({n for p in projs for n in p.params}) or ["?"]
-            shared = [lab for r, lab in (("k", "keys"), ("v", "values")) if self.shared.get(r)]
-            what = "/".join([label, *shared]) if role == "q" and shared else label
-            if role == "k" and self.shared.get("v") == "k":
-                what = "keys/values"
-            bits.append(f"{what}: {', '.join(names)}")
-        if self.out is not None:
-            bits.append(f"out: {', '.join(self.out.params) or 'a projection'}")
-        return "; ".join(bits)
 
 
 # ------------------------------------------------------------------------------ the core

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...stages import Stage
 from ..reference import Mutation, merge
-from . import Context, Evidence, define
+from .base import Context, Evidence, define
 
 
 def _context_unseen(ev: Evidence) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from ...stages import Stage
 from ..reference import Mutation, split
-from . import Context, define
+from .base import Context, define
 
 T = torch.Tensor
 _QKV = (Stage.QUERIES, Stage.KEYS, Stage.VALUES)

@@ -11,7 +11,7 @@ import torch
 from ...stages import Stage
 from ..compare import close
 from ..reference import Mutation, Spec
-from . import Context, Evidence, define
+from .base import Context, Evidence, define
 
 T = torch.Tensor
 _S = Stage.SCORES

@@ -10,7 +10,7 @@ import torch
 from ...stages import Stage
 from ..compare import close
 from ..reference import Mutation, causal_hide
-from . import Context, Evidence, define
+from .base import Context, Evidence, define
 
 T = torch.Tensor
 _W = Stage.WEIGHTS

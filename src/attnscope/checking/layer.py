@@ -1,0 +1,85 @@
+"""What was read of one attention layer: its core (the products, or a fused call) and its
+structure (projections by role, heads, the layer's module, the mask). Filled by
+:mod:`.structure` and :mod:`.features`; read by the binding and the probe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .projections import Projection
+from .record import ModuleCall, Op
+
+__all__ = ["Core", "Structure"]
+
+T = torch.Tensor
+
+
+@dataclass
+class Core:
+    """One attention computation: a scores product and its context product, or one fused
+    call. ``*_node`` are the operands as the computation used them."""
+
+    q_node: int
+    k_node: int
+    v_node: int | None
+    head_dim: int
+    score: Op | None = None
+    context: Op | None = None
+    fused: Op | None = None
+
+
+@dataclass
+class Structure:
+    """What one recorded call says about the layer. See the module docstring."""
+
+    layer: str  # dotted module path of the attention layer; "" for the target itself
+    call: ModuleCall | None  # its call in the record (None for the target itself)
+    input_node: int | None  # the tensor its projections read
+    roles: dict[str, list[Projection]]  # "q", "k", "v" -> projections, in head order
+    shared: dict[str, str]  # role -> the role whose projection it shares (combined weights)
+    out: Projection | None
+    unused: list[tuple[str, nn.Module | T]]  # the layer's projection weights never used
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    cores: list[Core]
+    causal: str | None = None  # the evidence, with its line
+    notes: list[str] = field(default_factory=list)
+    #: ops inside the layer between its input and what the projections read (a norm the
+    #: layer applies first): the stages are then checked from what the projections read
+    pre: list[Op] = field(default_factory=list)
+
+    @property
+    def weightless(self) -> bool:
+        return not any(self.roles.values())
+
+    def describe(self) -> str:
+        """``queries/keys/values: attn.c_attn; out: attn.c_proj``: what made each role."""
+        bits = []
+        for role, label in (("q", "queries"), ("k", "keys"), ("v", "values")):
+            projs = self.roles.get(role) or []
+            if not projs or role in self.shared:
+                continue
+            with_it = [
+                lab for r, lab in (("k", "keys"), ("v", "values")) if self.shared.get(r) == role
+            ]
+            bits.append(f"{'/'.join([label, *with_it])}: {_owners(projs)}")
+        if self.out is not None:
+            bits.append(f"out: {_owners([self.out])}")
+        return "; ".join(bits)
+
+
+def _owners(projs: list[Projection]) -> str:
+    """The parameters a role read, named by their module where they have one (``W_query``
+    for ``W_query.weight`` and ``W_query.bias``)."""
+    names = []
+    for p in projs:
+        for n in p.params:
+            owner, _, last = n.rpartition(".")
+            name = owner if owner and last in ("weight", "bias") else n
+            if name not in names:
+                names.append(name)
+    return ", ".join(names) or "a projection"
