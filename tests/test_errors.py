@@ -210,7 +210,6 @@ def test_cli_demo_refuses_a_batch(capsys, tmp_path):
         ["check"],  # TARGET is required
         ["check", "t.py:A", "--timeout", "-1"],
         ["demo", "--labels", "a", "--labels-file", "f"],
-        [],
     ],
 )
 def test_cli_usage_errors_are_one_line_and_exit_2(capsys, argv):
@@ -218,6 +217,12 @@ def test_cli_usage_errors_are_one_line_and_exit_2(capsys, argv):
     assert_user_error(code, err)
     assert "--help" in err
     assert out == ""
+
+
+def test_plain_attnscope_prints_what_it_can_do(capsys):
+    code, out, err = run_cli(capsys)
+    assert code == 0 and err == ""
+    assert "demo" in out and "check" in out and "usage: attnscope" in out
 
 
 def test_cli_existing_output_is_refused_before_computing(capsys, tmp_path, monkeypatch):

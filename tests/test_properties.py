@@ -109,9 +109,11 @@ def test_v1_and_v2_carrying_each_others_weights_give_the_same_output(s):
     v2 = SelfAttentionV2(s["d_in"], s["head_dim"] + 1)
     v1 = SelfAttentionV1.from_v2(v2)
     x = _x(s)
+    # x @ W and Linear's x @ W.T round differently in float32; sharp softmaxes (large
+    # scales) carry that rounding into the weights, so compare at float32's reach
     with torch.no_grad():
-        assert torch.allclose(v1(x), v2(x), rtol=1e-5, atol=1e-6)
-        assert torch.allclose(SelfAttentionV2.from_v1(v1)(x), v1(x), rtol=1e-5, atol=1e-6)
+        assert torch.allclose(v1(x), v2(x), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(SelfAttentionV2.from_v1(v1)(x), v1(x), rtol=1e-4, atol=1e-5)
 
 
 @FAST

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 all passed, 1 a check failed, 2 a usage or input error",
     )
     parser.add_argument("--version", action="version", version=f"attnscope {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser(
         "demo",
@@ -484,6 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors: argparse already printed
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if args.command is None:  # plain `attnscope`: what it can do, not an error
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
     except AttnScopeError as exc:

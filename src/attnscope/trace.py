@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -177,23 +178,29 @@ class Trace:
 
     # Rendering lives in attnscope.render; these are thin doors to it.
     def plot(self, stage: str = "weights", path: str | None = None, **kwargs):
-        """Heatmap of ``stage`` (scores, scaled_scores, masked_scores or weights)."""
+        """Heatmap of ``stage`` (scores, scaled_scores, masked_scores or weights): the
+        matplotlib figure, or with ``path`` the path written (``overwrite=True`` to replace
+        a file)."""
         from .render.figures import heatmap
 
-        return heatmap(self, stage=stage, path=path, **kwargs)
+        fig = heatmap(self, stage=stage, path=path, **kwargs)
+        return fig if path is None else _closed(fig, path)
 
     def pipeline_figure(self, path: str | None = None, **kwargs):
-        """The seed's pipeline diagram, drawn from this trace's real shapes and values."""
+        """The seed's pipeline diagram, drawn from this trace's real shapes and values: the
+        figure, or with ``path`` the path written."""
         from .render.figures import pipeline_figure
 
-        return pipeline_figure(self, path=path, **kwargs)
+        fig = pipeline_figure(self, path=path, **kwargs)
+        return fig if path is None else _closed(fig, path)
 
-    def to_html(self, path: str | None = None, *, overwrite: bool = False) -> str:
-        """A self-contained HTML report of this trace; written to ``path`` (never over a
-        file unless ``overwrite``) when given."""
+    def to_html(self, path: str | None = None, *, overwrite: bool = False) -> str | Path:
+        """A self-contained HTML report of this trace: the HTML, or with ``path`` the path
+        written (never over a file unless ``overwrite``)."""
         from .render.html import trace_html
 
-        return trace_html(self, path=path, overwrite=overwrite)
+        html = trace_html(self, path=path, overwrite=overwrite)
+        return html if path is None else Path(path)
 
     def _repr_html_(self) -> str:
         return self.to_html()
@@ -202,6 +209,14 @@ class Trace:
         from .render.text import trace_text
 
         return trace_text(self, color=False)  # str() is plain text wherever it is printed
+
+
+def _closed(fig, path) -> Path:
+    """A figure written to ``path`` is done with: close it (a REPL then echoes the path)."""
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return Path(path)
 
 
 def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None = None) -> Trace:

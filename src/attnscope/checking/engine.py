@@ -135,7 +135,7 @@ class _FunctionCheck:
                 self.kind = Kind.of("simplified")
                 self.kind_reason = "a function of one argument f(inputs)"
         else:
-            self.kind_reason = "given with --kind"
+            self.kind_reason = "given (--kind, or kind= from Python)"
         if self.kind.weighted:
             raise AttnScopeError(
                 f"--kind {self.kind}: expected a module (class, instance or factory) for this "

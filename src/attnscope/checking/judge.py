@@ -58,7 +58,9 @@ class Call:
         return self.x if self.probe is None else self.probe
 
 
-def _seen(found: Found | None, stage: Stage, per_head: bool, explained: bool = True) -> str:
+def _seen(
+    found: Found | None, stage: Stage, per_head: bool, explained: bool = True, scale: float = 1.0
+) -> str:
     if found is None:
         unseen = "not seen as a tensor (fused or computed inline)"
         # only where the whole output is accounted for may an unseen stage be vouched for
@@ -69,7 +71,10 @@ def _seen(found: Found | None, stage: Stage, per_head: bool, explained: bool = T
     if found.layout:
         bits.append(f"(layout: {found.layout})")
     if abs(found.factor - 1) > 1e-3:
-        bits.append(f"(scaled by {found.factor:.4g}: the scale is folded in earlier)")
+        if abs(found.factor * scale - 1) < 1e-3:  # masked before scaling (the book's order)
+            bits.append(f"(times {found.factor:.4g}: masked before the scale is applied)")
+        else:
+            bits.append(f"(scaled by {found.factor:.4g}: the scale is folded in earlier)")
     if per_head and stage in (
         Stage.QUERIES,
         Stage.KEYS,
@@ -185,7 +190,7 @@ class Judge:
                 StageCheck(
                     stage,
                     True,
-                    _seen(f, stage, per_head, explained),
+                    _seen(f, stage, per_head, explained, self.spec.scale if self.spec else 1.0),
                     predicted,
                     actual,
                     f.location if f else None,

@@ -162,7 +162,7 @@ class ModuleProbe:
         if self.kind is None:
             self.kind, self.kind_reason = self._infer_kind(binding, st, tokens)
         else:
-            self.kind_reason = "given with --kind"
+            self.kind_reason = "given (--kind, or kind= from Python)"
         if self.kind.one_query:
             raise AttnScopeError(
                 "--kind scores: expected a function f(inputs, query_index), got an nn.Module"
@@ -178,7 +178,7 @@ class ModuleProbe:
         if self.kind is None:
             self.kind, self.kind_reason = Kind.of("simplified"), "it has no trainable weights"
         else:
-            self.kind_reason = "given with --kind"
+            self.kind_reason = "given (--kind, or kind= from Python)"
         if self.kind.weighted or self.kind.one_query:
             raise AttnScopeError(
                 f"--kind {self.kind}: expected query, key and value weights, but "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -101,12 +102,13 @@ class CheckReport:
 
         return check_text(self, color=color)
 
-    def to_html(self, path: str | None = None, *, overwrite: bool = False) -> str:
-        """A self-contained HTML report; written to ``path`` (never over a file unless
-        ``overwrite``) when given."""
+    def to_html(self, path: str | None = None, *, overwrite: bool = False) -> str | Path:
+        """A self-contained HTML report: the HTML, or with ``path`` the path written (never
+        over a file unless ``overwrite``)."""
         from ..render.html import check_html
 
-        return check_html(self, path=path, overwrite=overwrite)
+        html = check_html(self, path=path, overwrite=overwrite)
+        return html if path is None else Path(path)
 
     def _repr_html_(self) -> str:
         return self.to_html()

@@ -221,7 +221,7 @@ def trace_text(
         f": {trace.kind} ({module}, d_in={dims.d_in}, d_out={dims.d_out}{heads}), "
         f"{dims.tokens} tokens{batch}",
     )
-    out.line("tokens: ", " ".join(trace.labels))
+    out.line("tokens: ", short_labels(trace.labels))
     table = out.table("stage", "predicted", "actual", "", "rule")
     for c in trace.shape_checks():
         word, style = _verdict(c.ok)
@@ -356,13 +356,24 @@ _PART_TITLES = {
 }
 
 
+def short_labels(labels: list[str], most: int = 12) -> str:
+    """Token labels for one line: all of them, or the first and last few of a long input
+    (``Your journey starts ... step (10,000 tokens)``)."""
+    if len(labels) <= most:
+        return " ".join(labels)
+    head, tail = labels[: most - 3], labels[-2:]
+    return f"{' '.join(head)} ... {' '.join(tail)} ({len(labels):,} tokens)"
+
+
 def demo_text(result: DemoResult, color: bool | None = None) -> str:
     """The whole demo: parts in order, each step predict-then-check, then a summary."""
     out = _Out(color)
     out.line(("attnscope demo", "bold"), ": predict each result, then check it.")
     tokens = next(iter(result.traces.values())).labels
     out.line(
-        "input: ", " ".join(tokens), f"  (query: token {result.token}, {tokens[result.token]!r})"
+        "input: ",
+        short_labels(tokens),
+        f"  (query: token {result.token}, {tokens[result.token]!r})",
     )
     part = None
     for number, step in enumerate(result.steps, start=1):
