@@ -151,3 +151,27 @@ def test_named_weights_by_hand():
     assert check(Odd()).ok
     report = check(Odd(), weights={"query": "alpha", "key": "beta", "value": "gamma"})
     assert report.ok, report.to_text(color=False)
+
+
+@pytest.mark.parametrize(
+    "target,init,kind",
+    [
+        (
+            "transformers.models.gpt2.modeling_gpt2:GPT2Attention",
+            {"n_embd": 24, "n_head": 3, "n_positions": 32},
+            "causal-multihead",
+        ),
+        (
+            "transformers.models.bert.modeling_bert:BertSelfAttention",
+            {"hidden_size": 24, "num_attention_heads": 4},
+            "multihead",
+        ),
+    ],
+)
+def test_hugging_face_layer_built_from_its_config_class(target, init, kind):
+    """A layer whose constructor takes a config is built from the config class's defaults,
+    --init giving the config's fields; nothing is downloaded."""
+    report = check(target, init=init)
+    assert report.ok, report.to_text(color=False)
+    assert report.kind == kind
+    assert report.structure["heads"] == (3 if "gpt2" in target else 4)

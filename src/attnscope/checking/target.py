@@ -315,7 +315,12 @@ def load(
                 f"target: expected an nn.Module class, instance or function, got class "
                 f"{obj.__name__}"
             )
-        kwargs = dict(init) if init is not None else infer_init(obj, kind, tokens)
+        config_cls = _config_class(obj)
+        if config_cls is not None:  # a Hugging Face layer: built from its config's defaults
+            kwargs = {"config": _build_config(config_cls, init or {})}
+            kwargs.update(_layer_index(obj))
+        else:
+            kwargs = dict(init) if init is not None else infer_init(obj, kind, tokens)
         try:
             with _deadline(timeout):
                 module = obj(**kwargs)
@@ -346,6 +351,54 @@ def load(
             return Target(made, text, "factory")
         return Target(obj, text, "function")
     raise AttnScopeError(f"target: expected a module, class or function, got {describe(obj)}")
+
+
+def _config_class(cls: type) -> type | None:
+    """The Hugging Face config class a layer's constructor needs (``__init__(self, config,
+    ...)``), from the parameter's annotation or the classes beside the layer's own."""
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    if not params or params[0].name != "config" or params[0].default is not inspect.Parameter.empty:
+        return None
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:
+        return None
+    hint = params[0].annotation
+    if isinstance(hint, str):  # postponed annotations: the name, looked up beside the class
+        hint = vars(sys.modules.get(cls.__module__, object())).get(hint.split(".")[-1])
+    if inspect.isclass(hint) and issubclass(hint, PretrainedConfig):
+        return hint
+    found = [
+        v
+        for v in vars(sys.modules.get(cls.__module__, object())).values()
+        if inspect.isclass(v) and issubclass(v, PretrainedConfig) and v is not PretrainedConfig
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _layer_index(cls: type) -> dict:
+    """A layer's index in its model (``layer_idx``), where its constructor requires one."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]
+    return {
+        p.name: 0
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.name in ("layer_idx", "layer_id", "layer_number")
+    }
+
+
+def _build_config(config_cls: type, init: dict) -> object:
+    """The config with its defaults, ``--init`` fields replacing them."""
+    try:
+        return config_cls(**init)
+    except (Exception, SystemExit) as exc:
+        raise AttnScopeError(
+            f"{config_cls.__name__}({_kw(init)}) raised {_exc_line(exc)}; --init gives the "
+            "config's fields for a layer built from a config"
+        ) from None
 
 
 def _kw(kwargs: dict) -> str:

@@ -1,0 +1,92 @@
+"""Marian/Pegasus decoder layer; bug: the causal mask is triu(diagonal=0), so each token cannot see itself."""
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def make_causal_mask(bsz, tgt_len, dtype):
+    mask = torch.full((tgt_len, tgt_len), torch.finfo(dtype).min)
+    mask = torch.triu(mask, diagonal=0)
+    return mask.to(dtype)[None, None].expand(bsz, 1, tgt_len, tgt_len)
+
+
+class PegasusAttention(nn.Module):
+    def __init__(self, embed_dim, num_heads, dropout=0.0, is_decoder=False, bias=True):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.head_dim = embed_dim // num_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_decoder = is_decoder
+        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def _shape(self, tensor, seq_len, bsz):
+        return tensor.view(bsz, seq_len, self.num_heads, self.head_dim).transpose(1, 2).contiguous()
+
+    def forward(self, hidden_states, attention_mask=None):
+        bsz, tgt_len, _ = hidden_states.size()
+        query_states = self.q_proj(hidden_states) * self.scaling
+        key_states = self._shape(self.k_proj(hidden_states), -1, bsz)
+        value_states = self._shape(self.v_proj(hidden_states), -1, bsz)
+
+        proj_shape = (bsz * self.num_heads, -1, self.head_dim)
+        query_states = self._shape(query_states, tgt_len, bsz).view(*proj_shape)
+        key_states = key_states.reshape(*proj_shape)
+        value_states = value_states.reshape(*proj_shape)
+
+        src_len = key_states.size(1)
+        attn_weights = torch.bmm(query_states, key_states.transpose(1, 2))
+        if attention_mask is not None:
+            attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) + attention_mask
+            attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, src_len)
+        attn_weights = F.softmax(attn_weights, dim=-1)
+        attn_probs = F.dropout(attn_weights, p=self.dropout, training=self.training)
+        attn_output = torch.bmm(attn_probs, value_states)
+        attn_output = attn_output.view(bsz, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
+        attn_output = attn_output.reshape(bsz, tgt_len, self.embed_dim)
+        return self.out_proj(attn_output), None
+
+
+class PegasusDecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_dim = config.d_model
+        self.self_attn = PegasusAttention(self.embed_dim, config.decoder_attention_heads, is_decoder=True)
+        self.self_attn_layer_norm = nn.LayerNorm(self.embed_dim)
+        self.fc1 = nn.Linear(self.embed_dim, config.decoder_ffn_dim)
+        self.fc2 = nn.Linear(config.decoder_ffn_dim, self.embed_dim)
+        self.final_layer_norm = nn.LayerNorm(self.embed_dim)
+
+    def forward(self, hidden_states, attention_mask=None):
+        if attention_mask is None:
+            bsz, tgt_len = hidden_states.shape[:2]
+            attention_mask = make_causal_mask(bsz, tgt_len, hidden_states.dtype)
+        residual = hidden_states
+        hidden_states = self.self_attn_layer_norm(hidden_states)  # Pegasus is pre-norm
+        hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.fc2(F.gelu(self.fc1(self.final_layer_norm(hidden_states))))
+        return (residual + hidden_states,)
+
+
+def make_decoder_layer():
+    return PegasusDecoderLayer(SimpleNamespace(d_model=12, decoder_attention_heads=3, decoder_ffn_dim=24))
+
+
+EXPECT = {
+    "target": "make_decoder_layer",
+    "kind": "causal-multihead",
+    "ok": False,
+    "stage": "masked_scores",
+    "mistake": "mask_diagonal",
+    "layer": "self_attn",
+    "style": "Pegasus/Marian pre-norm decoder layer (causal mask built with triu(diagonal=0))",
+}
