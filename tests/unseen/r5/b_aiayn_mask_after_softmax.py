@@ -79,7 +79,9 @@ class DecoderLayer(nn.Module):
     def forward(self, dec_input, slf_attn_mask=None):
         if slf_attn_mask is None:
             slf_attn_mask = get_subsequent_mask(dec_input.size(1)).to(dec_input.device)
-        dec_output, dec_slf_attn = self.slf_attn(dec_input, dec_input, dec_input, mask=slf_attn_mask)
+        dec_output, dec_slf_attn = self.slf_attn(
+            dec_input, dec_input, dec_input, mask=slf_attn_mask
+        )
         dec_output = self.slf_norm(dec_output + dec_input)
         dec_output = self.ffn_norm(self.pos_ffn(dec_output) + dec_output)
         return dec_output, dec_slf_attn

@@ -1,7 +1,5 @@
 """diffusers Attention with a custom attention-map-storing processor (prompt-to-prompt style); bug: the processor never applies attn.scale."""
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -46,7 +44,9 @@ class StoringAttnProcessor:
 
 
 class Attention(nn.Module):
-    def __init__(self, query_dim, cross_attention_dim=None, heads=8, dim_head=64, dropout=0.0, bias=False):
+    def __init__(
+        self, query_dim, cross_attention_dim=None, heads=8, dim_head=64, dropout=0.0, bias=False
+    ):
         super().__init__()
         inner_dim = dim_head * heads
         cross_attention_dim = cross_attention_dim or query_dim
@@ -71,7 +71,12 @@ class Attention(nn.Module):
         tensor = tensor.reshape(bh // self.heads, self.heads, n, d).permute(0, 2, 1, 3)
         return tensor.reshape(bh // self.heads, n, d * self.heads)
 
-    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask: Optional[torch.Tensor] = None):
+    def forward(
+        self,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask: torch.Tensor | None = None,
+    ):
         return self.processor(self, hidden_states, encoder_hidden_states, attention_mask)
 
 

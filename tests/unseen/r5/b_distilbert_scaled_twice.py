@@ -69,7 +69,9 @@ class TransformerBlock(nn.Module):
 
 
 def make_block():
-    return TransformerBlock(SimpleNamespace(dim=20, n_heads=4, hidden_dim=40, attention_dropout=0.0))
+    return TransformerBlock(
+        SimpleNamespace(dim=20, n_heads=4, hidden_dim=40, attention_dropout=0.0)
+    )
 
 
 EXPECT = {

@@ -23,7 +23,9 @@ class AttentionHead(nn.Module):
         self.v = nn.Linear(embed_dim, head_dim)
 
     def forward(self, hidden_state):
-        return scaled_dot_product_attention(self.q(hidden_state), self.q(hidden_state), self.v(hidden_state))
+        return scaled_dot_product_attention(
+            self.q(hidden_state), self.q(hidden_state), self.v(hidden_state)
+        )
 
 
 class MultiHeadAttention(nn.Module):
@@ -65,7 +67,9 @@ class TransformerEncoderLayer(nn.Module):
 
 
 def make_encoder_layer():
-    return TransformerEncoderLayer(SimpleNamespace(hidden_size=12, num_attention_heads=3, intermediate_size=24))
+    return TransformerEncoderLayer(
+        SimpleNamespace(hidden_size=12, num_attention_heads=3, intermediate_size=24)
+    )
 
 
 EXPECT = {

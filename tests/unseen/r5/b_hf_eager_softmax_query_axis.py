@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def eager_attention_forward(
+    module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs
+):
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask[:, :, :, : key.shape[-2]]
@@ -54,7 +56,9 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, hidden_states, attention_mask=None):
-        attn_out, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask=attention_mask)
+        attn_out, _ = self.self_attn(
+            self.input_layernorm(hidden_states), attention_mask=attention_mask
+        )
         hidden_states = hidden_states + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -62,12 +66,16 @@ class DecoderLayer(nn.Module):
 class TinyDecoder(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = nn.LayerNorm(config.hidden_size)
 
     def forward(self, inputs_embeds):
         bsz, seq_len = inputs_embeds.shape[:2]
-        mask = torch.full((seq_len, seq_len), torch.finfo(inputs_embeds.dtype).min, dtype=inputs_embeds.dtype)
+        mask = torch.full(
+            (seq_len, seq_len), torch.finfo(inputs_embeds.dtype).min, dtype=inputs_embeds.dtype
+        )
         mask = mask.triu(1)[None, None].expand(bsz, 1, seq_len, seq_len)
         hidden_states = inputs_embeds
         for layer in self.layers:

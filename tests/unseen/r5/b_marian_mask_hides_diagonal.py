@@ -58,7 +58,9 @@ class PegasusDecoderLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_dim = config.d_model
-        self.self_attn = PegasusAttention(self.embed_dim, config.decoder_attention_heads, is_decoder=True)
+        self.self_attn = PegasusAttention(
+            self.embed_dim, config.decoder_attention_heads, is_decoder=True
+        )
         self.self_attn_layer_norm = nn.LayerNorm(self.embed_dim)
         self.fc1 = nn.Linear(self.embed_dim, config.decoder_ffn_dim)
         self.fc2 = nn.Linear(config.decoder_ffn_dim, self.embed_dim)
@@ -78,7 +80,9 @@ class PegasusDecoderLayer(nn.Module):
 
 
 def make_decoder_layer():
-    return PegasusDecoderLayer(SimpleNamespace(d_model=12, decoder_attention_heads=3, decoder_ffn_dim=24))
+    return PegasusDecoderLayer(
+        SimpleNamespace(d_model=12, decoder_attention_heads=3, decoder_ffn_dim=24)
+    )
 
 
 EXPECT = {

@@ -48,7 +48,9 @@ class MultiHeadAttention(nn.Module):
 class FeedFoward(nn.Module):
     def __init__(self, n_embd):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.ReLU(), nn.Linear(4 * n_embd, n_embd))
+        self.net = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.ReLU(), nn.Linear(4 * n_embd, n_embd)
+        )
 
     def forward(self, x):
         return self.net(x)

@@ -22,6 +22,8 @@ class MultiHeadedAttention(nn.Module):
 
     def forward(self, key, value, query, mask=None):
         batch_size = key.size(0)
+        key_len = key.size(1)
+        query_len = query.size(1)
         dim_per_head = self.dim_per_head
         head_count = self.head_count
 
@@ -42,7 +44,8 @@ class MultiHeadedAttention(nn.Module):
         attn = self.softmax(scores)
         context = unshape(torch.matmul(self.dropout(attn), value))
         output = self.final_linear(context)
-        return output, attn[:, 0]
+        top_attn = attn.view(batch_size, head_count, query_len, key_len)[:, 0, :, :].contiguous()
+        return output, top_attn
 
 
 def make_attention():

@@ -34,7 +34,9 @@ class T5Attention(nn.Module):
         batch_size, seq_length = hidden_states.shape[:2]
 
         def shape(states):
-            return states.view(batch_size, -1, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
+            return states.view(batch_size, -1, self.n_heads, self.key_value_proj_dim).transpose(
+                1, 2
+            )
 
         def unshape(states):
             return states.transpose(1, 2).contiguous().view(batch_size, -1, self.inner_dim)
@@ -46,7 +48,9 @@ class T5Attention(nn.Module):
         # T5 folds the scale into its initialisation and never divides here
         scores = torch.matmul(query_states, key_states.transpose(3, 2))
         if position_bias is None:
-            position_bias = torch.zeros((1, self.n_heads, seq_length, seq_length), dtype=scores.dtype)
+            position_bias = torch.zeros(
+                (1, self.n_heads, seq_length, seq_length), dtype=scores.dtype
+            )
             if mask is not None:
                 position_bias = position_bias + mask
         scores += position_bias
@@ -64,7 +68,9 @@ class T5LayerSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, attention_mask=None, position_bias=None):
-        attention_output = self.SelfAttention(self.layer_norm(hidden_states), attention_mask, position_bias)
+        attention_output = self.SelfAttention(
+            self.layer_norm(hidden_states), attention_mask, position_bias
+        )
         return (hidden_states + self.dropout(attention_output[0]),) + attention_output[1:]
 
 
@@ -99,7 +105,9 @@ class T5Block(nn.Module):
 
 
 def make_block():
-    config = SimpleNamespace(d_model=12, d_kv=6, num_heads=2, d_ff=24, dropout_rate=0.0, layer_norm_epsilon=1e-6)
+    config = SimpleNamespace(
+        d_model=12, d_kv=6, num_heads=2, d_ff=24, dropout_rate=0.0, layer_norm_epsilon=1e-6
+    )
     return T5Block(config)
 
 

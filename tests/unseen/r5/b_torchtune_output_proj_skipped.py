@@ -1,7 +1,5 @@
 """torchtune-style MultiHeadAttention; bug: output_proj is built and handed in but forward returns the merged heads without it."""
 
-from typing import Optional
-
 import torch.nn.functional as F
 from torch import nn
 
@@ -18,7 +16,7 @@ class MultiHeadAttention(nn.Module):
         k_proj: nn.Module,
         v_proj: nn.Module,
         output_proj: nn.Module,
-        pos_embeddings: Optional[nn.Module] = None,
+        pos_embeddings: nn.Module | None = None,
         is_causal: bool = True,
         attn_dropout: float = 0.0,
     ):
@@ -81,7 +79,9 @@ def tiny_self_attention_layer():
         v_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=False),
         output_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
     )
-    mlp = nn.Sequential(nn.Linear(embed_dim, 48, bias=False), nn.SiLU(), nn.Linear(48, embed_dim, bias=False))
+    mlp = nn.Sequential(
+        nn.Linear(embed_dim, 48, bias=False), nn.SiLU(), nn.Linear(48, embed_dim, bias=False)
+    )
     return TransformerSelfAttentionLayer(attn, mlp, nn.RMSNorm(embed_dim), nn.RMSNorm(embed_dim))
 
 

@@ -32,13 +32,23 @@ class Wav2Vec2Attention(nn.Module):
     def forward(self, hidden_states, attention_mask=None, output_attentions=False):
         bsz, tgt_len, _ = hidden_states.size()
         weight, bias = self._fused_in_proj()
-        query_states, key_states, value_states = F.linear(hidden_states, weight, bias).chunk(3, dim=-1)
+        query_states, key_states, value_states = F.linear(hidden_states, weight, bias).chunk(
+            3, dim=-1
+        )
         query_states = query_states * self.scaling
 
         def heads(t):
-            return t.view(bsz, -1, self.num_heads, self.head_dim).transpose(1, 2).reshape(-1, tgt_len, self.head_dim)
+            return (
+                t.view(bsz, -1, self.num_heads, self.head_dim)
+                .transpose(1, 2)
+                .reshape(-1, tgt_len, self.head_dim)
+            )
 
-        query_states, key_states, value_states = heads(query_states), heads(key_states), heads(value_states)
+        query_states, key_states, value_states = (
+            heads(query_states),
+            heads(key_states),
+            heads(value_states),
+        )
         attn_weights = torch.bmm(query_states, key_states.transpose(1, 2))
         if attention_mask is not None:
             attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, -1) + attention_mask
@@ -74,7 +84,11 @@ class Wav2Vec2EncoderLayer(nn.Module):
 
 def make_encoder_layer():
     config = SimpleNamespace(
-        hidden_size=24, num_attention_heads=4, intermediate_size=48, hidden_dropout=0.0, layer_norm_eps=1e-5
+        hidden_size=24,
+        num_attention_heads=4,
+        intermediate_size=48,
+        hidden_dropout=0.0,
+        layer_norm_eps=1e-5,
     )
     return Wav2Vec2EncoderLayer(config)
 

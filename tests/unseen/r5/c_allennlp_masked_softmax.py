@@ -61,20 +61,28 @@ class MultiHeadSelfAttention(Module):
         values = torch.cat(values, -1).contiguous()
 
         def per_head(t, width):
-            t = t.view(batch_size, timesteps, num_heads, width // num_heads).transpose(1, 2).contiguous()
+            t = (
+                t.view(batch_size, timesteps, num_heads, width // num_heads)
+                .transpose(1, 2)
+                .contiguous()
+            )
             return t.view(batch_size * num_heads, timesteps, width // num_heads)
 
         values_per_head = per_head(values, self._values_dim)
         queries_per_head = per_head(queries, self._attention_dim)
         keys_per_head = per_head(keys, self._attention_dim)
 
-        scaled_similarities = torch.bmm(queries_per_head / self._scale, keys_per_head.transpose(1, 2))
+        scaled_similarities = torch.bmm(
+            queries_per_head / self._scale, keys_per_head.transpose(1, 2)
+        )
 
         # (batch * heads, timesteps) padding mask, optionally combined with a causal one
         pad = mask.repeat(1, num_heads).view(batch_size * num_heads, timesteps)
         full = pad.unsqueeze(1).expand(-1, timesteps, -1)
         if self._causal:
-            full = full * torch.tril(torch.ones(timesteps, timesteps, device=inputs.device, dtype=full.dtype))
+            full = full * torch.tril(
+                torch.ones(timesteps, timesteps, device=inputs.device, dtype=full.dtype)
+            )
         attention = masked_softmax(scaled_similarities, full)
         attention = self._attention_dropout(attention)
 
@@ -86,7 +94,12 @@ class MultiHeadSelfAttention(Module):
 
 def make_attention():
     return MultiHeadSelfAttention(
-        num_heads=2, input_dim=12, attention_dim=12, values_dim=12, attention_dropout_prob=0.0, causal=True
+        num_heads=2,
+        input_dim=12,
+        attention_dim=12,
+        values_dim=12,
+        attention_dropout_prob=0.0,
+        causal=True,
     )
 
 

@@ -36,7 +36,13 @@ class BertSelfAttention(nn.Module):
         x = x.view(*new_x_shape)
         return x.permute(0, 2, 1, 3)
 
-    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, output_attentions=False):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        output_attentions=False,
+    ):
         mixed_query_layer = self.query(hidden_states)
         is_cross_attention = encoder_hidden_states is not None
         source = encoder_hidden_states if is_cross_attention else hidden_states
@@ -91,13 +97,17 @@ class BertLayer(nn.Module):
         super().__init__()
         self.layer_num = layer_num
         self.attention = BertAttention(config)
-        self.intermediate = nn.Sequential(nn.Linear(config.hidden_size, config.intermediate_size), nn.GELU())
+        self.intermediate = nn.Sequential(
+            nn.Linear(config.hidden_size, config.intermediate_size), nn.GELU()
+        )
         self.output_dense = nn.Linear(config.intermediate_size, config.hidden_size)
         self.output_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden_states, attention_mask=None):
         attention_output = self.attention(hidden_states, attention_mask)[0]
-        layer_output = self.output_norm(self.output_dense(self.intermediate(attention_output)) + attention_output)
+        layer_output = self.output_norm(
+            self.output_dense(self.intermediate(attention_output)) + attention_output
+        )
         return (layer_output,)
 
 
@@ -112,7 +122,9 @@ class TextDecoderStub(nn.Module):
     def get_extended_attention_mask(self, attention_mask, input_shape, device):
         batch_size, seq_length = input_shape
         seq_ids = torch.arange(seq_length, device=device)
-        causal_mask = seq_ids[None, None, :].repeat(batch_size, seq_length, 1) <= seq_ids[None, :, None]
+        causal_mask = (
+            seq_ids[None, None, :].repeat(batch_size, seq_length, 1) <= seq_ids[None, :, None]
+        )
         causal_mask = causal_mask.to(attention_mask.dtype)
         extended = causal_mask[:, None, :, :] * attention_mask[:, None, None, :]
         return (1.0 - extended) * -10000.0
@@ -121,7 +133,9 @@ class TextDecoderStub(nn.Module):
         batch_size, seq_length = hidden_states.shape[:2]
         if attention_mask is None:
             attention_mask = torch.ones(batch_size, seq_length, device=hidden_states.device)
-        extended = self.get_extended_attention_mask(attention_mask, (batch_size, seq_length), hidden_states.device)
+        extended = self.get_extended_attention_mask(
+            attention_mask, (batch_size, seq_length), hidden_states.device
+        )
         return self.layer(hidden_states, extended.to(hidden_states.dtype))[0]
 
 

@@ -76,7 +76,9 @@ class EncoderLayer(nn.Module):
             _, seq_len, _ = x.shape
             mask = torch.triu(torch.ones(seq_len, seq_len, dtype=x.dtype, device=x.device), 1)
         normed = self.layernorm1(x)
-        attn_outputs = self.multi_head_attention(normed, normed, normed, mask, attention_mask=attention_mask)
+        attn_outputs = self.multi_head_attention(
+            normed, normed, normed, mask, attention_mask=attention_mask
+        )
         out1 = x + self.dropout1(attn_outputs[0])
         out2 = out1 + self.dropout2(self.ffn(self.layernorm2(out1)))
         return (out2,) + attn_outputs[1:]

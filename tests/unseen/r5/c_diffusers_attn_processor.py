@@ -1,7 +1,5 @@
 """diffusers-style Attention whose work is done by an AttnProcessor object (head_to_batch_dim, baddbmm scores, to_out ModuleList)."""
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -13,9 +11,9 @@ class AttnProcessor:
         self,
         attn: "Attention",
         hidden_states: torch.Tensor,
-        encoder_hidden_states: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        temb: Optional[torch.Tensor] = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
     ) -> torch.Tensor:
         residual = hidden_states
         input_ndim = hidden_states.ndim
@@ -47,7 +45,9 @@ class AttnProcessor:
         hidden_states = attn.to_out[1](hidden_states)
 
         if input_ndim == 4:
-            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+            hidden_states = hidden_states.transpose(-1, -2).reshape(
+                batch_size, channel, height, width
+            )
         if attn.residual_connection:
             hidden_states = hidden_states + residual
         return hidden_states / attn.rescale_output_factor
@@ -57,7 +57,7 @@ class Attention(nn.Module):
     def __init__(
         self,
         query_dim: int,
-        cross_attention_dim: Optional[int] = None,
+        cross_attention_dim: int | None = None,
         heads: int = 8,
         dim_head: int = 64,
         dropout: float = 0.0,
@@ -65,11 +65,13 @@ class Attention(nn.Module):
         out_bias: bool = True,
         residual_connection: bool = False,
         rescale_output_factor: float = 1.0,
-        processor: Optional[AttnProcessor] = None,
+        processor: AttnProcessor | None = None,
     ):
         super().__init__()
         self.inner_dim = dim_head * heads
-        self.cross_attention_dim = cross_attention_dim if cross_attention_dim is not None else query_dim
+        self.cross_attention_dim = (
+            cross_attention_dim if cross_attention_dim is not None else query_dim
+        )
         self.rescale_output_factor = rescale_output_factor
         self.residual_connection = residual_connection
         self.scale = dim_head**-0.5
@@ -78,10 +80,18 @@ class Attention(nn.Module):
         self.to_q = nn.Linear(query_dim, self.inner_dim, bias=bias)
         self.to_k = nn.Linear(self.cross_attention_dim, self.inner_dim, bias=bias)
         self.to_v = nn.Linear(self.cross_attention_dim, self.inner_dim, bias=bias)
-        self.to_out = nn.ModuleList([nn.Linear(self.inner_dim, query_dim, bias=out_bias), nn.Dropout(dropout)])
+        self.to_out = nn.ModuleList(
+            [nn.Linear(self.inner_dim, query_dim, bias=out_bias), nn.Dropout(dropout)]
+        )
         self.processor = processor if processor is not None else AttnProcessor()
 
-    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, **cross_attention_kwargs):
+    def forward(
+        self,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        **cross_attention_kwargs,
+    ):
         return self.processor(
             self,
             hidden_states,
@@ -115,7 +125,9 @@ class Attention(nn.Module):
         else:
             baddbmm_input = attention_mask
             beta = 1
-        attention_scores = torch.baddbmm(baddbmm_input, query, key.transpose(-1, -2), beta=beta, alpha=self.scale)
+        attention_scores = torch.baddbmm(
+            baddbmm_input, query, key.transpose(-1, -2), beta=beta, alpha=self.scale
+        )
         del baddbmm_input
         attention_probs = attention_scores.softmax(dim=-1)
         return attention_probs.to(dtype)

@@ -1,16 +1,18 @@
 """DINOv2-style NestedTensorBlock whose MemEffAttention falls back to the manual Attention path when xFormers is absent."""
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 XFORMERS_AVAILABLE = False  # no xformers here: MemEffAttention takes the plain path
-memory_efficient_attention: Optional[Callable] = None
+memory_efficient_attention: Callable | None = None
 
 
 class Attention(nn.Module):
-    def __init__(self, dim, num_heads=8, qkv_bias=False, proj_bias=True, attn_drop=0.0, proj_drop=0.0):
+    def __init__(
+        self, dim, num_heads=8, qkv_bias=False, proj_bias=True, attn_drop=0.0, proj_drop=0.0
+    ):
         super().__init__()
         self.num_heads = num_heads
         head_dim = dim // num_heads
@@ -23,7 +25,9 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        qkv = (
+            self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        )
         q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
         attn = q @ k.transpose(-2, -1)
         attn = attn.softmax(dim=-1)
@@ -70,7 +74,9 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=False, init_values=None, attn_class=Attention):
+    def __init__(
+        self, dim, num_heads, mlp_ratio=4.0, qkv_bias=False, init_values=None, attn_class=Attention
+    ):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = attn_class(dim, num_heads=num_heads, qkv_bias=qkv_bias)
@@ -93,7 +99,14 @@ class NestedTensorBlock(Block):
 
 
 def make_block():
-    return NestedTensorBlock(dim=24, num_heads=4, mlp_ratio=2.0, qkv_bias=True, init_values=1.0, attn_class=MemEffAttention)
+    return NestedTensorBlock(
+        dim=24,
+        num_heads=4,
+        mlp_ratio=2.0,
+        qkv_bias=True,
+        init_values=1.0,
+        attn_class=MemEffAttention,
+    )
 
 
 EXPECT = {

@@ -1,7 +1,6 @@
 """Causal attention whose core is a module-level @torch.no_grad() helper over heads folded into the batch; dataclass output."""
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -10,7 +9,7 @@ from torch import nn
 @dataclass
 class AttentionOutput:
     hidden_states: torch.Tensor
-    attention_probs: Optional[torch.Tensor] = None
+    attention_probs: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -38,11 +37,19 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
 
         def fold(t):
-            return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2).reshape(B * self.n_head, T, self.head_dim)
+            return (
+                t.view(B, T, self.n_head, self.head_dim)
+                .transpose(1, 2)
+                .reshape(B * self.n_head, T, self.head_dim)
+            )
 
-        ctx, probs = _attend(fold(self.wq(x)), fold(self.wk(x)), fold(self.wv(x)), self.future[:T, :T])
+        ctx, probs = _attend(
+            fold(self.wq(x)), fold(self.wk(x)), fold(self.wv(x)), self.future[:T, :T]
+        )
         ctx = ctx.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, C)
-        return AttentionOutput(hidden_states=self.wo(ctx), attention_probs=probs.view(B, self.n_head, T, T))
+        return AttentionOutput(
+            hidden_states=self.wo(ctx), attention_probs=probs.view(B, self.n_head, T, T)
+        )
 
 
 EXPECT = {

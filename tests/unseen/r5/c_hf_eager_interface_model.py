@@ -2,13 +2,14 @@
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 from torch import nn
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def eager_attention_forward(
+    module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs
+):
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         causal_mask = attention_mask[:, :, :, : key.shape[-2]]
@@ -97,7 +98,9 @@ class TinyDecoderLayer(nn.Module):
     def forward(self, hidden_states, attention_mask=None):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -107,7 +110,7 @@ class TinyDecoderLayer(nn.Module):
 @dataclass
 class BaseModelOutput:
     last_hidden_state: torch.Tensor
-    hidden_states: Optional[tuple] = None
+    hidden_states: tuple | None = None
 
 
 class TinyModel(nn.Module):
@@ -122,7 +125,9 @@ class TinyModel(nn.Module):
     def _causal_mask(self, inputs_embeds):
         batch, seq_len = inputs_embeds.shape[:2]
         min_value = torch.finfo(inputs_embeds.dtype).min
-        mask = torch.full((seq_len, seq_len), min_value, dtype=inputs_embeds.dtype, device=inputs_embeds.device)
+        mask = torch.full(
+            (seq_len, seq_len), min_value, dtype=inputs_embeds.dtype, device=inputs_embeds.device
+        )
         mask = torch.triu(mask, diagonal=1)
         return mask[None, None].expand(batch, 1, seq_len, seq_len)
 

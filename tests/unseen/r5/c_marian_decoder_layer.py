@@ -60,7 +60,9 @@ class MarianAttention(nn.Module):
         attn_output = attn_output.view(bsz, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
         attn_output = attn_output.reshape(bsz, tgt_len, self.embed_dim)
         attn_output = self.out_proj(attn_output)
-        shown = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) if output_attentions else None
+        shown = (
+            attn_weights.view(bsz, self.num_heads, tgt_len, src_len) if output_attentions else None
+        )
         return attn_output, shown
 
 
@@ -84,7 +86,9 @@ class MarianDecoderLayer(nn.Module):
     def forward(self, hidden_states, attention_mask=None):
         bsz, tgt_len, _ = hidden_states.shape
         if attention_mask is None:
-            attention_mask = causal_additive_mask(bsz, tgt_len, hidden_states.dtype, hidden_states.device)
+            attention_mask = causal_additive_mask(
+                bsz, tgt_len, hidden_states.dtype, hidden_states.device
+            )
 
         residual = hidden_states
         hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask)
@@ -100,7 +104,11 @@ class MarianDecoderLayer(nn.Module):
 
 def make_decoder_layer():
     config = SimpleNamespace(
-        d_model=24, decoder_attention_heads=4, attention_dropout=0.0, dropout=0.0, decoder_ffn_dim=48
+        d_model=24,
+        decoder_attention_heads=4,
+        attention_dropout=0.0,
+        dropout=0.0,
+        decoder_ffn_dim=48,
     )
     return MarianDecoderLayer(config)
 

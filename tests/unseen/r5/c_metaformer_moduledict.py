@@ -37,7 +37,9 @@ class MetaBlock(nn.Module):
         self.token_mixer = SelfAttentionMixer(cfg)
         self.norm2 = nn.LayerNorm(cfg.dim)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim), nn.GELU(), nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
+            nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim),
+            nn.GELU(),
+            nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim),
         )
 
     def forward(self, x):
@@ -49,7 +51,10 @@ class MetaNet(nn.Module):
     def __init__(self, cfg: MixerConfig):
         super().__init__()
         self.stages = nn.ModuleDict(
-            {"stem": nn.Identity(), "body": nn.Sequential(*[MetaBlock(cfg) for _ in range(cfg.depth)])}
+            {
+                "stem": nn.Identity(),
+                "body": nn.Sequential(*[MetaBlock(cfg) for _ in range(cfg.depth)]),
+            }
         )
 
     def forward(self, x):

@@ -7,7 +7,9 @@ from torch import nn
 class CausalSelfAttention(nn.Module):
     def __init__(self, embed_dim, num_heads, block_size=64, dropout=0.0, bias=True):
         super().__init__()
-        self.mha = nn.MultiheadAttention(embed_dim, num_heads, dropout=dropout, bias=bias, batch_first=True)
+        self.mha = nn.MultiheadAttention(
+            embed_dim, num_heads, dropout=dropout, bias=bias, batch_first=True
+        )
         future = torch.triu(torch.ones(block_size, block_size, dtype=torch.bool), diagonal=1)
         self.register_buffer("future", future, persistent=False)
 

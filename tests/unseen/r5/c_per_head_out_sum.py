@@ -9,10 +9,18 @@ class HeadwiseAttention(nn.Module):
         super().__init__()
         assert embed_dim % num_heads == 0
         self.head_dim = embed_dim // num_heads
-        self.q = nn.ModuleList([nn.Linear(embed_dim, self.head_dim, bias=bias) for _ in range(num_heads)])
-        self.k = nn.ModuleList([nn.Linear(embed_dim, self.head_dim, bias=bias) for _ in range(num_heads)])
-        self.v = nn.ModuleList([nn.Linear(embed_dim, self.head_dim, bias=bias) for _ in range(num_heads)])
-        self.o = nn.ModuleList([nn.Linear(self.head_dim, embed_dim, bias=False) for _ in range(num_heads)])
+        self.q = nn.ModuleList(
+            [nn.Linear(embed_dim, self.head_dim, bias=bias) for _ in range(num_heads)]
+        )
+        self.k = nn.ModuleList(
+            [nn.Linear(embed_dim, self.head_dim, bias=bias) for _ in range(num_heads)]
+        )
+        self.v = nn.ModuleList(
+            [nn.Linear(embed_dim, self.head_dim, bias=bias) for _ in range(num_heads)]
+        )
+        self.o = nn.ModuleList(
+            [nn.Linear(self.head_dim, embed_dim, bias=False) for _ in range(num_heads)]
+        )
         self.o_bias = nn.Parameter(torch.empty(embed_dim).uniform_(-0.1, 0.1))
 
     @torch.jit.ignore

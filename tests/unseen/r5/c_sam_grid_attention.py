@@ -1,7 +1,5 @@
 """Segment-Anything image-encoder Attention (use_rel_pos=False, heads folded into batch) run on a 1 x T token grid."""
 
-from typing import Optional, Tuple
-
 import torch
 import torch.nn as nn
 
@@ -15,7 +13,7 @@ class Attention(nn.Module):
         num_heads: int = 8,
         qkv_bias: bool = True,
         use_rel_pos: bool = False,
-        input_size: Optional[Tuple[int, int]] = None,
+        input_size: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -56,7 +54,9 @@ class MLPBlock(nn.Module):
 class Block(nn.Module):
     """Transformer block with global attention (window_size=0)."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True
+    ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, use_rel_pos=False)

@@ -1,6 +1,5 @@
 """Swin-style WindowAttention without the relative position bias, applied to one window that holds every token."""
 
-import torch
 import torch.nn as nn
 
 
@@ -13,7 +12,16 @@ class WindowAttention(nn.Module):
         num_heads: number of attention heads.
     """
 
-    def __init__(self, dim, window_size, num_heads, qkv_bias=True, qk_scale=None, attn_drop=0.0, proj_drop=0.0):
+    def __init__(
+        self,
+        dim,
+        window_size,
+        num_heads,
+        qkv_bias=True,
+        qk_scale=None,
+        attn_drop=0.0,
+        proj_drop=0.0,
+    ):
         super().__init__()
         self.dim = dim
         self.window_size = window_size
@@ -30,8 +38,12 @@ class WindowAttention(nn.Module):
     def forward(self, x, mask=None):
         """x: (num_windows*B, N, C); mask: (num_windows, N, N) of 0/-inf or None"""
         B_, N, C = x.shape
-        assert N <= self.window_size[0] * self.window_size[1], "window too small for the sequence"
-        qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        assert self.window_size[0] * self.window_size[1] >= N, "window too small for the sequence"
+        qkv = (
+            self.qkv(x)
+            .reshape(B_, N, 3, self.num_heads, C // self.num_heads)
+            .permute(2, 0, 3, 1, 4)
+        )
         q, k, v = qkv[0], qkv[1], qkv[2]
 
         q = q * self.scale

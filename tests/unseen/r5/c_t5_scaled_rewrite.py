@@ -40,7 +40,9 @@ class T5Attention(nn.Module):
         batch_size, seq_length = hidden_states.shape[:2]
 
         def shape(states):
-            return states.view(batch_size, -1, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
+            return states.view(batch_size, -1, self.n_heads, self.key_value_proj_dim).transpose(
+                1, 2
+            )
 
         def unshape(states):
             return states.transpose(1, 2).contiguous().view(batch_size, -1, self.inner_dim)
@@ -81,13 +83,17 @@ class T5LayerSelfAttention(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, position_bias=None):
         normed = self.layer_norm(hidden_states)
-        attention_output = self.SelfAttention(normed, mask=attention_mask, position_bias=position_bias)
+        attention_output = self.SelfAttention(
+            normed, mask=attention_mask, position_bias=position_bias
+        )
         hidden_states = hidden_states + self.dropout(attention_output[0])
         return (hidden_states,) + attention_output[1:]
 
 
 def make_layer():
-    config = SimpleNamespace(d_model=20, d_kv=5, num_heads=4, dropout_rate=0.0, layer_norm_epsilon=1e-6)
+    config = SimpleNamespace(
+        d_model=20, d_kv=5, num_heads=4, dropout_rate=0.0, layer_norm_epsilon=1e-6
+    )
     return T5LayerSelfAttention(config)
 
 

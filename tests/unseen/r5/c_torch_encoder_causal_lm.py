@@ -8,11 +8,18 @@ class CausalEncoderLM(nn.Module):
     def __init__(self, d_model=12, nhead=3, num_layers=1, block_size=64):
         super().__init__()
         layer = nn.TransformerEncoderLayer(
-            d_model, nhead, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True, norm_first=True
+            d_model,
+            nhead,
+            dim_feedforward=4 * d_model,
+            dropout=0.0,
+            batch_first=True,
+            norm_first=True,
         )
         self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
         self.register_buffer(
-            "causal_mask", nn.Transformer.generate_square_subsequent_mask(block_size), persistent=False
+            "causal_mask",
+            nn.Transformer.generate_square_subsequent_mask(block_size),
+            persistent=False,
         )
         self.ln_f = nn.LayerNorm(d_model)
 

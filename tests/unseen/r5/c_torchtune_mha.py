@@ -1,8 +1,5 @@
 """torchtune-style MultiHeadAttention built by a builder function (pos_embeddings=None, num_kv_heads == num_heads, SDPA is_causal)."""
 
-from typing import Optional
-
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -19,9 +16,9 @@ class MultiHeadAttention(nn.Module):
         k_proj: nn.Module,
         v_proj: nn.Module,
         output_proj: nn.Module,
-        pos_embeddings: Optional[nn.Module] = None,
-        q_norm: Optional[nn.Module] = None,
-        k_norm: Optional[nn.Module] = None,
+        pos_embeddings: nn.Module | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
         max_seq_len: int = 4096,
         is_causal: bool = True,
         attn_dropout: float = 0.0,
@@ -48,9 +45,8 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, y=None, *, mask=None, input_pos=None):
         b, s_x, _ = x.shape
-        if y is None:
-            if self.kv_cache is None:
-                raise ValueError("Must provide y input or use kv_cache to enable streaming decoding")
+        if y is None and self.kv_cache is None:
+            raise ValueError("Must provide y input or use kv_cache to enable streaming decoding")
         s_y = y.shape[1]
 
         q_per_kv = self.num_heads // self.num_kv_heads
@@ -120,9 +116,14 @@ def tiny_self_attention_layer():
         pos_embeddings=None,
         max_seq_len=128,
     )
-    mlp = nn.Sequential(nn.Linear(embed_dim, 48, bias=False), nn.SiLU(), nn.Linear(48, embed_dim, bias=False))
+    mlp = nn.Sequential(
+        nn.Linear(embed_dim, 48, bias=False), nn.SiLU(), nn.Linear(48, embed_dim, bias=False)
+    )
     return TransformerSelfAttentionLayer(
-        attn=attn, mlp=mlp, sa_norm=nn.RMSNorm(embed_dim, eps=1e-6), mlp_norm=nn.RMSNorm(embed_dim, eps=1e-6)
+        attn=attn,
+        mlp=mlp,
+        sa_norm=nn.RMSNorm(embed_dim, eps=1e-6),
+        mlp_norm=nn.RMSNorm(embed_dim, eps=1e-6),
     )
 
 

@@ -44,7 +44,9 @@ class MultiHeadAttn(nn.Module):
         attn_prob = self.dropatt(attn_prob)
 
         attn_vec = torch.einsum("ijbn,jbnd->ibnd", attn_prob, head_v)
-        attn_vec = attn_vec.contiguous().view(attn_vec.size(0), attn_vec.size(1), self.n_head * self.d_head)
+        attn_vec = attn_vec.contiguous().view(
+            attn_vec.size(0), attn_vec.size(1), self.n_head * self.d_head
+        )
         return self.drop(self.o_net(attn_vec))
 
 
@@ -52,7 +54,10 @@ class PositionwiseFF(nn.Module):
     def __init__(self, d_model, d_inner, dropout):
         super().__init__()
         self.CoreNet = nn.Sequential(
-            nn.Linear(d_model, d_inner), nn.ReLU(inplace=True), nn.Dropout(dropout), nn.Linear(d_inner, d_model)
+            nn.Linear(d_model, d_inner),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(d_inner, d_model),
         )
         self.layer_norm = nn.LayerNorm(d_model)
 
@@ -68,7 +73,9 @@ class DecoderLayer(nn.Module):
         self.pos_ff = PositionwiseFF(d_model, d_inner, dropout)
 
     def forward(self, dec_inp, dec_attn_mask=None, mems=None):
-        output = self.attn_norm(dec_inp + self.dec_attn(dec_inp, attn_mask=dec_attn_mask, mems=mems))
+        output = self.attn_norm(
+            dec_inp + self.dec_attn(dec_inp, attn_mask=dec_attn_mask, mems=mems)
+        )
         return self.pos_ff(output)
 
 
@@ -86,7 +93,9 @@ class TinyMemTransformer(nn.Module):
         qlen = word_emb.size(0)
         mlen = 0
         klen = mlen + qlen
-        dec_attn_mask = torch.triu(word_emb.new_ones(qlen, klen), diagonal=1 + mlen).bool()[:, :, None]
+        dec_attn_mask = torch.triu(word_emb.new_ones(qlen, klen), diagonal=1 + mlen).bool()[
+            :, :, None
+        ]
         core_out = word_emb
         for layer in self.layers:
             core_out = layer(core_out, dec_attn_mask=dec_attn_mask)

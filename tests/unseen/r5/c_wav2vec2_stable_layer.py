@@ -2,13 +2,14 @@
 
 from types import SimpleNamespace
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class Wav2Vec2SdpaAttention(nn.Module):
-    def __init__(self, embed_dim, num_heads, dropout=0.0, is_decoder=False, bias=True, is_causal=False):
+    def __init__(
+        self, embed_dim, num_heads, dropout=0.0, is_decoder=False, bias=True, is_causal=False
+    ):
         super().__init__()
         self.embed_dim = embed_dim
         self.num_heads = num_heads
@@ -56,7 +57,9 @@ class Wav2Vec2FeedForward(nn.Module):
         self.output_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden_states):
-        hidden_states = self.intermediate_dropout(self.intermediate_act_fn(self.intermediate_dense(hidden_states)))
+        hidden_states = self.intermediate_dropout(
+            self.intermediate_act_fn(self.intermediate_dense(hidden_states))
+        )
         return self.output_dropout(self.output_dense(hidden_states))
 
 

@@ -13,10 +13,7 @@ def get_masks(slen, lengths, causal):
     alen = torch.arange(slen, dtype=torch.long, device=lengths.device)
     mask = alen < lengths[:, None]
     bs = lengths.size(0)
-    if causal:
-        attn_mask = alen[None, None, :].repeat(bs, slen, 1) <= alen[None, :, None]
-    else:
-        attn_mask = mask
+    attn_mask = alen[None, None, :].repeat(bs, slen, 1) <= alen[None, :, None] if causal else mask
     return mask, attn_mask
 
 
@@ -87,7 +84,9 @@ class TinyXLM(nn.Module):
         self.ffns = nn.ModuleList()
         self.layer_norm2 = nn.ModuleList()
         for _ in range(self.n_layers):
-            self.attentions.append(MultiHeadAttention(config.n_heads, config.emb_dim, config=config))
+            self.attentions.append(
+                MultiHeadAttention(config.n_heads, config.emb_dim, config=config)
+            )
             self.layer_norm1.append(nn.LayerNorm(config.emb_dim, eps=1e-12))
             self.ffns.append(TransformerFFN(config.emb_dim, 4 * config.emb_dim, config.emb_dim))
             self.layer_norm2.append(nn.LayerNorm(config.emb_dim, eps=1e-12))
@@ -108,7 +107,9 @@ class TinyXLM(nn.Module):
 
 
 def make_model():
-    config = SimpleNamespace(causal=True, n_layers=1, n_heads=3, emb_dim=12, dropout=0.0, attention_dropout=0.0)
+    config = SimpleNamespace(
+        causal=True, n_layers=1, n_heads=3, emb_dim=12, dropout=0.0, attention_dropout=0.0
+    )
     return TinyXLM(config)
 
 
