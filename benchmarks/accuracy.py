@@ -43,8 +43,8 @@ def judge(path: Path, expect: dict, infer: bool, timeout: float) -> tuple[str, s
         )
     except AttnScopeError as exc:
         said = f"exit 2: {str(exc).splitlines()[0][:160]}"
-        if expect.get("unsupported"):
-            return "refused-right", said
+        if expect.get("unsupported"):  # refused, and saying what is not modelled
+            return ("refused-right" if "not supported yet" in said else "refused-unclear"), said
         return "refused", said
     except Exception as exc:  # a crash is what this measures
         return "crash", f"{type(exc).__name__}: {exc}"[:200]
@@ -77,7 +77,8 @@ def summary(rows: list[tuple[str, dict, str, str]]) -> str:
         f"passed as correct {c['missed']}, "
         f"refused {sum(r[2] == 'refused' for r in buggy)}, "
         f"crashed {sum(r[2] == 'crash' for r in buggy)}",
-        f"unsupported {len(unsup)}: refused {c['refused-right']}, "
+        f"unsupported {len(unsup)}: refused naming it {c['refused-right']}, "
+        f"refused otherwise {c['refused-unclear']}, "
         f"given a verdict {c['verdict-on-unsupported']}, "
         f"crashed {sum(r[2] == 'crash' for r in unsup)}",
     ]

@@ -19,6 +19,8 @@ _FEATURE_WORDS = {
     "window": "sliding-window",
     "relative_bias": "relative position bias",
     "cross": "cross-attention",
+    "qk_norm": "QK norm",
+    "fast_path": "fused fast path",
 }
 
 

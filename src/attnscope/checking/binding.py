@@ -128,8 +128,9 @@ def _cat(pairs: list[Pair]) -> Pair:
 # ------------------------------------------------------------------------------ from structure
 
 
-def bind_structure(st: Structure, layer: nn.Module) -> Binding:
-    """Every reading of the layer's weights its computation leaves open."""
+def bind_structure(st: Structure, layer: nn.Module, root: nn.Module | None = None) -> Binding:
+    """Every reading of the layer's weights its computation leaves open (``root``: the
+    target, whose parameter names the projections carry; the layer itself by default)."""
     roles = st.roles
     if not roles["q"] or not roles["k"] or not roles["v"]:
         missing = [n for r, n in (("q", "queries"), ("k", "keys"), ("v", "values")) if not roles[r]]
@@ -138,7 +139,7 @@ def bind_structure(st: Structure, layer: nn.Module) -> Binding:
             "applied to the input on its way into the attention (a Linear, F.linear, x @ W, "
             "an einsum with a weight); " + WEIGHT_HELP
         )
-    triples = _triples(st, layer)
+    triples = _packed(st, root if root is not None else layer) or _triples(st, layer)
     d_in, d_out = triples[0][0][0][0].shape
     outs, has_out = _outs(st, d_out)
     candidates = [
@@ -174,7 +175,34 @@ def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pa
     triple = (pairs["q"], pairs["k"], pairs["v"])
     # two roles made with one weight while another of the same shape sits idle: only the
     # readings that use the idle one (the one that reuses a weight is the mistake)
-    return _with_unused(st, layer, triple) or [(triple, "")]
+    return _with_unused(st, layer, triple) or _with_idle_siblings(st, pairs) or [(triple, "")]
+
+
+def _packed(st: Structure, root: nn.Module) -> list:
+    """Queries, keys and values each cut by its own call from one packed parameter
+    (``F.linear(x, in_proj_weight[:d])``, ...): read the whole parameter by the packing
+    convention, so that a slice taken twice (values from the keys' rows) shows."""
+    weights = {tuple(n for p in st.roles[r] for n in p.weight_names) for r in ("q", "k", "v")}
+    biases = {tuple(n for p in st.roles[r] for n in p.bias_names) for r in ("q", "k", "v")}
+    if st.shared or len(weights) != 1 or len(biases) != 1:
+        return []
+    (names,) = weights
+    if len(names) != 1 or any(len(st.roles[r]) != 1 for r in ("q", "k", "v")):
+        return []
+    params = dict(root.named_parameters())
+    packed = params.get(names[0])
+    width = st.roles["q"][0].width
+    d_in = st.roles["q"][0].w.shape[0]
+    if packed is None or packed.dim() != 2 or packed.numel() != 3 * width * d_in:
+        return []
+    (bias_names,) = biases
+    bias = params.get(bias_names[0]) if len(bias_names) == 1 else None
+    bias = None if bias is None or bias.numel() != 3 * width else bias.detach().double()
+    return [
+        (tuple(parts), f"{names[0]} {layout}")
+        for w, _ in readings(packed, names[0], d_in)
+        for layout, parts in split_qkv(w, bias, st.heads)
+    ]
 
 
 def _named_swapped(st: Structure) -> bool:
@@ -218,6 +246,40 @@ def _with_unused(st: Structure, layer: nn.Module, triple) -> list:
                     t[order[role]] = pair
                     found.append((tuple(t), f"{name} (never used) for the {role} role"))
     return found
+
+
+def _with_idle_siblings(st: Structure, pairs: dict[str, Pair]) -> list:
+    """Per-head modules where each head makes two roles with one of its projections while
+    its sibling projection sits idle (``self.q(x)`` for the keys, ``self.k`` unused): each
+    head's idle sibling where the second role should have come from."""
+    prefix = f"{st.layer}." if st.layer else ""
+    idle = {f"{prefix}{name}": obj for name, obj in st.unused}
+    order = {"q": 0, "k": 1, "v": 2}
+    for a, b in _doubled(st):
+        heads = st.roles[b]
+        if len(heads) < 2 or len(st.roles[a]) != len(heads):
+            continue
+        chosen, role = [], None
+        for p in heads:
+            if len(p.weight_names) != 1:
+                break
+            parent = p.weight_names[0].rpartition(".")[0].rpartition(".")[0]
+            near = [
+                (n, o)
+                for n, o in idle.items()
+                if n.rpartition(".")[0] == parent and isinstance(o, nn.Module)
+            ]
+            fits = [(n, r) for n, o in near for r in readings(o, n, p.w.shape[0])]
+            fits = [(n, r) for n, r in fits if r[0].shape == p.w.shape]
+            if len(fits) != 1:
+                break
+            role = role or (a if role_hint(fits[0][0]) == a else b)
+            chosen.append(fits[0][1])
+        else:
+            t = [pairs["q"], pairs["k"], pairs["v"]]
+            t[order[role]] = _cat(chosen)
+            return [(tuple(t), f"each head's idle projection for the {role} role")]
+    return []
 
 
 def _outs(st: Structure, d_out: int) -> tuple[list, bool]:

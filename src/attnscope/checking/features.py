@@ -40,8 +40,8 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
         return None
     h = hidden.reshape(-1, *hidden.shape[-2:])[0]
     n, m = h.shape
-    if n != m or n < 2:
-        return None
+    if n != m or n < 2 or not bool(h.any()) or bool(h.all()):
+        return None  # nothing hidden (a zero bias) or everything: no mask
     ones = torch.ones(n, n, dtype=torch.bool)
     for d in range(-n + 1, n + 1):
         if torch.equal(h, ones.triu(d)):
@@ -132,6 +132,7 @@ class Features:
         s = self.s
         if core.fused is not None:
             return self._fused_masks(core)
+        self._added_in_product(core.score)
         start = core.score.index
         end = core.context.index
         reach = {start}
@@ -152,6 +153,22 @@ class Features:
                 self._refuse(f"a sliding-window mask ({detail})", op.location)
             if s.causal is None:
                 s.causal = f"{detail} at {op.location}"
+
+    def _added_in_product(self, op: Op) -> None:
+        """``baddbmm(bias, q, k)``: a tensor added in the scores' own product (zeros, a
+        mask, or a position bias as BLOOM adds its ALiBi)."""
+        if op.name not in ("baddbmm", "addmm", "addbmm") or not op.call_args:
+            return
+        added = op.call_args[0]
+        beta = op.call_kwargs.get("beta", 1)
+        if not isinstance(added, torch.Tensor) or added.dim() < 1 or beta == 0:
+            return
+        t = added.detach().double()
+        finite = t[torch.isfinite(t) & (t > -1e4)]
+        if torch.unique(finite).numel() > 2:
+            learned = bool(op.args) and self.g.param[op.args[0]]
+            what = "a learned relative position bias" if learned else "a position bias (ALiBi)"
+            self._refuse(f"{what} added in the scores' product", op.location)
 
     def _mask_of(self, op: Op, reach: set[int]) -> tuple[str, str] | None:
         """What a masking op does to the score path: a mask (causal or not) or a bias."""

@@ -527,12 +527,13 @@ class Judge:
         order = self._stage_list()
         swapped = self._substitute(call, refs)
         if swapped is not None:
-            stage, op = swapped
+            stage, op, factor = swapped
             user = op.output.double() if call.batched else op.output.double().unsqueeze(0)
+            user = user / factor
             ref = refs[stage]
             gap = (user - ref).abs().nan_to_num(0).max().item()
             near = close(user, ref, rtol=1e-2)  # right to 1%: a loss of precision, not logic
-            code = "other" if near else self._guess_code(stage, found, op.output)
+            code = "other" if near else self._guess_code(stage, found, op.output / factor)
             what = MISTAKES[code].meaning if code != "other" else "it differs from the reference"
             if near:
                 what = (
@@ -614,14 +615,17 @@ class Judge:
                 return wrong[0]
         return None
 
-    def _substitute(self, call: Call, refs) -> tuple[Stage, Op] | None:
-        """The first stage whose reference, swapped for a tensor the user made, gives the output.
+    def _substitute(self, call: Call, refs) -> tuple[Stage, Op, float] | None:
+        """The first stage whose reference, swapped for a tensor the user made, gives the output
+        (with the factor the user's tensor carries: a scale folded into the queries).
 
         Catches changes nobody catalogued: values normalised, weights renormalised oddly.
         """
         joint = self._substitute_fused_inputs(call, refs)
         if joint is not None:
-            return joint
+            return (*joint, 1.0)
+        # a score tensor may carry the scale already (folded into the queries or keys)
+        folded = self.spec.scale if self.spec is not None else 1.0
         stages = [s for s in self._stage_list() if s not in (Stage.OUTPUT, Stage.QUERY)]
         for stage in stages:
             ref = refs.get(stage)
@@ -634,13 +638,15 @@ class Judge:
                 user = op.output.double() if call.batched else op.output.double().unsqueeze(0)
                 if torch.equal(user, ref):
                     continue
-                mut = Mutation("other", stage, "", replace={stage.value: user})
-                try:
-                    out = pipeline(call.x, self.spec, self.w, mut)["output"]
-                except (RuntimeError, ValueError):
-                    continue
-                if close(call.out, out):
-                    return stage, op
+                factors = [1.0] if stage is not Stage.SCORES or folded == 1.0 else [1.0, folded]
+                for factor in factors:
+                    mut = Mutation("other", stage, "", replace={stage.value: user / factor})
+                    try:
+                        out = pipeline(call.x, self.spec, self.w, mut)["output"]
+                    except (RuntimeError, ValueError):
+                        continue
+                    if close(call.out, out):
+                        return stage, op, factor
         return None
 
     def _guess_code(self, stage: Stage, found, user: torch.Tensor | None) -> str:

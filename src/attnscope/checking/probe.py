@@ -30,6 +30,7 @@ from ..errors import AttnScopeError, describe
 from ..stages import Kind, Stage
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
+from .features import Unsupported
 from .judge import Call, Judge
 from .record import Op, Recorder
 from .reference import Spec, Weights
@@ -107,11 +108,31 @@ class _Captured(BaseException):
 
 
 class _Entry:
-    """Where a layer inside a wrapper takes its hidden states, and in which layout."""
+    """Where a layer inside a wrapper takes its hidden states, and in which layout: batch
+    first ``(B, T, d)``, tokens first ``(T, B, d)``, or the tokens laid out as a grid
+    ``(B, H, W, d)`` with ``H * W = T`` (``grid`` is then ``(H, W)``)."""
 
-    def __init__(self, module: nn.Module, path: str, positions: list, tokens_first: bool):
+    def __init__(
+        self, module: nn.Module, path: str, positions: list, tokens_first: bool, grid=None
+    ):
         self.module, self.path = module, path
-        self.positions, self.tokens_first = positions, tokens_first
+        self.positions, self.tokens_first, self.grid = positions, tokens_first, grid
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The probe ``(B, T, d)`` in the layout the layer takes."""
+        if self.tokens_first:
+            return x.transpose(0, 1)
+        if self.grid is not None:
+            return x.reshape(x.shape[0], *self.grid, x.shape[-1])
+        return x
+
+    def leave(self, out: torch.Tensor, b: int, n: int) -> torch.Tensor:
+        """The layer's output back in ``(B, T, d)``."""
+        if self.tokens_first and out.dim() == 3:
+            return out.transpose(0, 1)
+        if self.grid is not None and out.shape[0] == b and math.prod(out.shape[1:-1]) == n:
+            return out.reshape(b, n, out.shape[-1])
+        return out
 
 
 class ModuleProbe:
@@ -154,7 +175,7 @@ class ModuleProbe:
         if self.weights:
             binding = bind_names(layer, self.weights, st.heads)
         else:
-            binding = bind_structure(st, layer)
+            binding = bind_structure(st, layer, self.module)
         self.binding = binding
         tokens = self._tokens(binding)
         x = torch.randn(BATCH, tokens, binding.d_in, generator=self.gen)
@@ -233,6 +254,16 @@ class ModuleProbe:
                     self.entry = self._entry(st, rec, batch)
                     self.notes.append(f"the attention layer checked is {st.layer!r}")
                 return st
+        widths = self._widths()
+        if widths and errors:  # runs where nothing watches it? then it cannot be read
+            x = torch.randn(BATCH, tokens, widths[0], generator=self.discovery_gen)
+            out, err = self._invoke_root(x)
+            if err is None:
+                raise Unsupported(
+                    f"{self.tgt.text}: not supported yet: it runs only on torch's fused fast "
+                    "path, which attnscope cannot see into (while its ops are recorded it "
+                    f"takes the Python path, and that raises: {errors[0]})"
+                )
         raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors[:3]))
 
     def _recorder(self, x: torch.Tensor, *more: torch.Tensor) -> Recorder:
@@ -270,13 +301,16 @@ class ModuleProbe:
         finally:
             handle.remove()
         b, n = x.shape[:2]
-        if not positions or value.dim() != 3 or value.shape[:2] not in ((b, n), (n, b)):
-            raise AttnScopeError(
-                f"{self.tgt.text}: found its attention in {st.layer!r}, which receives its "
-                f"input as {describe(value)}; expected (batch, tokens, d) or (tokens, batch, "
-                "d) passed as an argument"
-            )
-        return _Entry(module, st.layer, positions, value.shape[:2] == (n, b))
+        lead = tuple(value.shape[:-1])
+        if positions and lead in ((b, n), (n, b)):
+            return _Entry(module, st.layer, positions, lead == (n, b) and lead != (b, n))
+        if positions and value.dim() > 3 and lead[0] == b and math.prod(lead[1:]) == n:
+            return _Entry(module, st.layer, positions, False, grid=lead[1:])
+        raise AttnScopeError(
+            f"{self.tgt.text}: found its attention in {st.layer!r}, which receives its input "
+            f"as {describe(value)}; expected (batch, tokens, d), (tokens, batch, d) or a grid "
+            "of the tokens (batch, h, w, d) passed as an argument"
+        )
 
     # ------------------------------------------------------------------ calling
     def _adapter(self, m: nn.Module) -> dict:
@@ -354,7 +388,7 @@ class ModuleProbe:
         e = self.entry
         if x32.dim() != 3:
             return None, "a layer inside a wrapper is probed with batched input only"
-        sub = x32.transpose(0, 1) if e.tokens_first else x32
+        sub = e.enter(x32)
 
         def swap(mod, args, kwargs):
             args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
@@ -377,9 +411,7 @@ class ModuleProbe:
                     f"{self.tgt.text}: expected {e.path!r} to return a tensor (or a tuple whose "
                     f"first element is one), got {describe(out)}"
                 ) from None
-            if e.tokens_first and out.dim() == 3:
-                out = out.transpose(0, 1)
-            return out, None
+            return e.leave(out, *x32.shape[:2]), None
         finally:
             for h in hooks:
                 h.remove()
@@ -609,9 +641,12 @@ class ModuleProbe:
         out = out.double() if first.batched else out.double().unsqueeze(0)
         if out.shape != first.out.shape or close(out, first.out, rtol=1e-6):
             return None  # the same, up to reductions that may run in another order
-        dropout = [op for op in rec.ops if "dropout" in op.name]
+        dropout = [op for op in rec.ops if "dropout" in op.name and op.leaf is None]
         where = dropout[0].location if dropout else None
-        stage = Stage.WEIGHTS if dropout else Stage.OUTPUT
+        stage = Stage.OUTPUT
+        if dropout:  # the stage the dropout acts on: the weights as a rule, not always
+            stage = self._stage_of(Call(first.x, out, first.batched, record=rec), dropout[0])
+            stage = stage or Stage.WEIGHTS
         cause = "dropout that stays on in eval mode (F.dropout's training=True default?)"
         msg = (
             f"{stage.value}: the output changes from one run to the next on the same input, "

@@ -30,6 +30,7 @@ LINEAR_OPS = {
     "einsum",
     "tensordot",
     "conv1d",
+    "conv2d",
 }
 
 
@@ -50,6 +51,10 @@ class Projection:
     #: the bias that belongs with the weight (the same Linear's, or the parameter paired
     #: with it), when the call applied another one or none
     companion: tuple[str, T] | None = None
+    #: the output's axes that are rows (tokens, batch); the others are features
+    rows: tuple[int, ...] = ()
+    #: the node of the weight argument, for the common calls
+    weight_node: int | None = None
 
     @property
     def width(self) -> int:
@@ -81,6 +86,15 @@ def _exact(op: Op, x: T) -> tuple[T, T | None] | None:
     return None
 
 
+def expand_ellipsis(spec: str, ndim: int, width: int) -> str:
+    """``...qd`` with 4 axes -> ``ABqd`` (the broadcast axes as capitals, right-aligned)."""
+    if "..." not in spec:
+        return spec
+    named = len(spec) - 3
+    letters = "ABCDEFGHIJKLMNOP"[width - max(ndim - named, 0) : width]
+    return spec.replace("...", letters)
+
+
 def _contracted(op: Op, x: T) -> list[int] | None:
     """The axes of ``x`` a linear call sums over (its features), by what the call does."""
     args = op.call_args
@@ -96,13 +110,26 @@ def _contracted(op: Op, x: T) -> list[int] | None:
     if name == "einsum":
         eq = args[0] if args and isinstance(args[0], str) else None
         operands = list(tensors_in(args[1:]))
-        if eq is None or "->" not in eq or "..." in eq:
+        if eq is None or "->" not in eq:
             return None
         lhs, out = eq.replace(" ", "").split("->")
         parts = lhs.split(",")
-        for spec, t in zip(parts, operands, strict=False):
+        if len(parts) != len(operands):
+            return None
+        width = max(
+            (t.dim() - (len(p) - 3) for t, p in zip(operands, parts, strict=True) if "..." in p),
+            default=0,
+        )
+        out = expand_ellipsis(out, width + len(out) - 3, width) if "..." in out else out
+        for spec, t in zip(parts, operands, strict=True):
             if t is x:
+                spec = expand_ellipsis(spec, t.dim(), width)
                 return [i for i, c in enumerate(spec) if c not in out]
+        return None
+    if name in ("conv1d", "conv2d"):  # a 1 x 1 convolution over channels-first input
+        w = args[1] if len(args) > 1 else op.call_kwargs.get("weight")
+        if isinstance(w, torch.Tensor) and all(s == 1 for s in w.shape[2:]) and args[0] is x:
+            return [1]
         return None
     return [x.dim() - 1]
 
@@ -131,7 +158,7 @@ def _rows_first(t: T, rows: list[int]) -> T:
     return t.permute(*rows, *rest).reshape(n, -1)
 
 
-def _by_basis(op: Op, x: T, made: T) -> tuple[T, T | None] | None:
+def _by_basis(op: Op, x: T, made: T) -> tuple[T, T | None, tuple[int, ...]] | None:
     """``(W, b)`` of any call that is affine in ``x`` row by row: re-run it on unit rows.
 
     The features are the axes the call sums over; the rows, the other axes of ``x``, which
@@ -171,7 +198,7 @@ def _by_basis(op: Op, x: T, made: T) -> tuple[T, T | None] | None:
     got = _rows_first(x.detach().double(), x_rows) @ w + b
     if not close(_rows_first(made, where), got, rtol=1e-3):
         return None  # not one affine map applied row by row
-    return w, (None if bool((b == 0).all()) else b)
+    return w, (None if bool((b == 0).all()) else b), tuple(where)
 
 
 def read_projection(g: Graph, op: Op) -> Projection | None:
@@ -195,32 +222,42 @@ def read_projection(g: Graph, op: Op) -> Projection | None:
         got = x.detach().double().reshape(-1, w.shape[0]) @ w + (0 if b is None else b)
         if got.numel() != made.numel() or not close(made.reshape(got.shape), got, rtol=1e-3):
             found = None
+        else:  # rows are every axis but the last
+            found = (w, b, tuple(range(made.dim() - 1)))
     found = found or _by_basis(op, x, made)
     if found is None:
         return None
-    w, b = found
+    w, b, rows = found
     # which arguments were the weight and the bias (for the common calls)
     w_at, b_at = {"linear": (1, 2), "addmm": (2, 0), "matmul": (1, None)}.get(op.name, (None, None))
     w_at, b_at = (1, None) if op.name in ("__matmul__", "mm") else (w_at, b_at)
     wn = g.params_of(op, [op.args[w_at]]) if w_at is not None and w_at < len(op.args) else ()
     bn = g.params_of(op, [op.args[b_at]]) if b_at is not None and b_at < len(op.args) else ()
-    return Projection(op, w, b, g.params_of(op), tainted[0], wn, bn)
+    node = op.args[w_at] if w_at is not None and w_at < len(op.args) else None
+    return Projection(op, w, b, g.params_of(op), tainted[0], wn, bn, rows=rows, weight_node=node)
 
 
 def fold_bias(g: Graph, op: Op, projs: dict[int, Projection]) -> Projection | None:
-    """``x @ W + b`` written as two calls: the addition of a parameter vector to a
-    projection's output is part of the projection."""
+    """``x @ W + b`` written as two calls: a parameter added to a projection's output, the
+    same for every row, is part of the projection (its bias)."""
     if op.name not in ("add", "__add__", "__radd__", "add_") or len(op.args) != 2:
         return None
     made = [a for a in op.args if a in projs]
     other = [a for a in op.args if a not in projs]
     if len(made) != 1 or len(other) != 1 or not g.param[other[0]]:
         return None
-    p, bias = projs[made[0]], g.ops[other[0]].output
-    if bias.numel() != p.width or (bias.dim() and bias.shape[-1] != p.width):
+    p, out = projs[made[0]], g.ops[made[0]].output
+    if op.output.shape != out.shape or not p.rows:
         return None
-    if op.output.shape != g.ops[made[0]].output.shape:
+    try:
+        bias = torch.broadcast_to(g.ops[other[0]].output, out.shape)
+    except RuntimeError:
         return None
-    b = bias.detach().double().reshape(-1) + (0 if p.b is None else p.b)
+    per_row = _rows_first(bias.detach().double(), list(p.rows))
+    if per_row.shape[1] != p.width or not bool((per_row == per_row[0]).all()):
+        return None  # not one vector for every row: not a bias
+    b = per_row[0] + (0 if p.b is None else p.b)
     names = g.params_of(op, [other[0]])
-    return Projection(op, p.w, b, (*p.params, *names), p.input_node, p.weight_names, names)
+    return Projection(
+        op, p.w, b, (*p.params, *names), p.input_node, p.weight_names, names, rows=p.rows
+    )

@@ -36,7 +36,7 @@ from ..errors import AttnScopeError
 from .dataflow import LAYOUT_OPS, Graph
 from .features import MASKING_OPS, Features, Unsupported, mask_shape
 from .layer import Core, Structure
-from .projections import Projection, fold_bias, read_projection
+from .projections import Projection, expand_ellipsis, fold_bias, read_projection
 from .record import ModuleCall, Op, Recorder, tensors_in
 
 __all__ = [
@@ -59,15 +59,6 @@ _PRODUCT = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "eins
 # ------------------------------------------------------------------------------ the core
 
 
-def _expand_ellipsis(spec: str, ndim: int, width: int) -> str:
-    """``...qd`` with 4 axes -> ``ABqd`` (the broadcast axes as capitals, right-aligned)."""
-    if "..." not in spec:
-        return spec
-    named = len(spec) - 3
-    letters = "ABCDEFGHIJKLMNOP"[width - max(ndim - named, 0) : width]
-    return spec.replace("...", letters)
-
-
 def _einsum_sides(op: Op) -> tuple[int, int, int] | None:
     """For a two-operand einsum: (query operand, key operand, contracted size)."""
     eq = op.call_args[0] if op.call_args and isinstance(op.call_args[0], str) else None
@@ -83,8 +74,8 @@ def _einsum_sides(op: Op) -> tuple[int, int, int] | None:
         if "..." in eq
         else 0
     )
-    a, b = (_expand_ellipsis(p, t.dim(), width) for p, t in zip(parts, operands, strict=True))
-    out = _expand_ellipsis(out, width + 3, width) if "..." in out else out
+    a, b = (expand_ellipsis(p, t.dim(), width) for p, t in zip(parts, operands, strict=True))
+    out = expand_ellipsis(out, width + 3, width) if "..." in out else out
     free_a = [c for c in out if c in a and c not in b]
     free_b = [c for c in out if c in b and c not in a]
     if not free_a or not free_b:
@@ -253,24 +244,45 @@ class _Reader:
     def _companion(self, p: Projection) -> tuple[str, T] | None:
         """The bias that belongs with a projection's weight, where the call applied another
         (or none): the same Linear's ``bias``, or a bare parameter paired with the weight
-        (``q_w``/``q_b``, ``W_q``/``b_q``, ``wq``/``bq``, ``q_weight``/``q_bias``)."""
-        if len(p.weight_names) != 1:
+        (``q_w``/``q_b``, ``W_q``/``b_q``, ``wq``/``bq``, ``q_weight``/``q_bias``); for a
+        weight concatenated from several (``cat([q.weight, k.weight, v.weight])``), their
+        biases in the same order."""
+        pieces = self._concatenated(p) or list(p.weight_names)
+        if not pieces or (len(pieces) > 1 and not self._concatenated(p)):
             return None
-        name = p.weight_names[0]
+        found = [self._bias_for(name) for name in pieces]
+        if any(b is None for b in found) or sum(b[1].numel() for b in found) != p.width:
+            return None
+        if len(found) == 1 and p.bias_names == (found[0][0],):
+            return None  # it applied its own
+        bias = torch.cat([b for _, b in found])
+        if len(found) > 1 and p.b is not None and torch.equal(p.b, bias):
+            return None
+        return "+".join(n for n, _ in found), bias
+
+    def _concatenated(self, p: Projection) -> list[str]:
+        """The parameters a weight was concatenated from, in order (empty if it was not)."""
+        node = p.weight_node
+        if node is None or self.ops[node].name != "cat":
+            return []
+        names = [self.g.params_of(self.ops[node], [a]) for a in self.ops[node].args]
+        return [n[0] for n in names] if all(len(n) == 1 for n in names) else []
+
+    def _bias_for(self, name: str) -> tuple[str, T] | None:
         owner, _, last = name.rpartition(".")
         prefix = f"{owner}." if owner else ""
         pairs = [(r"^weight$", "bias"), (r"_w$", "_b"), (r"_weight$", "_bias")]
         pairs += [(r"^[wW]_", "b_"), (r"^weight_", "bias_"), (r"^w(?=[a-z])", "b")]
         params = dict(self.root.named_parameters())
+        weight = params.get(name)
         for pattern, repl in pairs:
             if not re.search(pattern, last):
                 continue
             cand = prefix + re.sub(pattern, repl, last, count=1)
             bias = params.get(cand)
-            if bias is None or bias.dim() != 1 or bias.shape[0] != p.width:
+            rows = None if weight is None or weight.dim() != 2 else weight.shape
+            if bias is None or bias.dim() != 1 or (rows and bias.shape[0] not in rows):
                 continue
-            if p.bias_names == (cand,):
-                return None  # it applied its own
             return cand, bias.detach().double()
         return None
 
@@ -316,7 +328,9 @@ class _Reader:
                 heads, kv_heads = q_arg.shape[1], k_arg.shape[1]
         if heads is None and widths["q"] and head_dim and widths["q"] % head_dim == 0:
             heads = widths["q"] // head_dim
-            kv_heads = widths["k"] // head_dim if widths["k"] % head_dim == 0 else None
+        if widths["k"] and head_dim and widths["k"] % head_dim == 0:
+            # from the keys' projection: repeat_kv may have widened them before the product
+            kv_heads = widths["k"] // head_dim
         input_node = roles["q"][0].input_node if roles["q"] else cores[0].q_node
         s = Structure(
             layer=call.path if call is not None else "",

@@ -32,6 +32,6 @@ EXPECT = {
     "kind": "causal-multihead",
     "ok": False,
     "stage": "masked_scores",
-    "mistake": "other",
+    "mistake": "mask_diagonal",
     "style": "SDPA decoder attention with a bool mask buffer of the wrong orientation (triu keeps keys j >= i)",
 }

@@ -29,9 +29,6 @@ def make_model():
 EXPECT = {
     "target": "make_model",
     "kind": "causal-multihead",
-    "ok": False,
-    "stage": "masked_scores",
-    "mistake": "missing_mask",
-    "layer": "encoder.layers.0.self_attn",
+    "unsupported": "fast_path",
     "style": "decoder-only LM on nn.TransformerEncoder with is_causal=True but no mask (silently unmasked)",
 }

@@ -96,7 +96,22 @@ def _wrong_projection(c: Context) -> list[Mutation]:
         )
         for src, label in _swaps(c.combined_qkv)
     ]
-    return out + _biases(c.biases)
+    b = c.biases
+    if all(t is not None for t in b) and len({t.shape for t in b}) == 1:
+        # another projection's weight with the projection's own bias (a slice taken twice
+        # from a packed weight whose biases are cut right)
+        out += [
+            Mutation(
+                "wrong_projection",
+                next(_QKV[i] for i, s in enumerate(src) if s != i),
+                f"{label} (weights only; each keeps its own bias)",
+                qkv=lambda q, k, v, s=src: tuple(
+                    (q, k, v)[j] - b[j] + b[i] for i, j in enumerate(s)
+                ),
+            )
+            for src, label in _swaps(c.combined_qkv)
+        ]
+    return out + _biases(b)
 
 
 # ------------------------------------------------------------------ wrong_query_token
