@@ -14,6 +14,8 @@ check-report.html         attnscope check examples/gallery/buggy/mha_scale_by_d_
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 from attnscope.cli import main
@@ -26,6 +28,30 @@ def run(*argv: str) -> int:
     code = main(list(argv))
     print(f"attnscope {' '.join(argv)}  -> exit {code}")
     return code
+
+
+def screenshot(page: str, png: str) -> None:
+    """The top of an HTML report as a PNG, with headless Chromium where it is installed."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        print(f"{png}: skipped (no chromium installed)")
+        return
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--hide-scrollbars",
+            f"--screenshot={Path(png).resolve()}",
+            "--window-size=1200,1500",
+            Path(page).resolve().as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    print(f"wrote {png}")
 
 
 if __name__ == "__main__":
@@ -67,3 +93,4 @@ if __name__ == "__main__":
         "docs/check-report.html",
         "--force",
     )
+    screenshot("docs/check-report.html", "docs/check-report.png")
