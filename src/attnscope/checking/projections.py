@@ -95,6 +95,28 @@ def expand_ellipsis(spec: str, ndim: int, width: int) -> str:
     return spec.replace("...", letters)
 
 
+def einsum_letters(op: Op) -> tuple[list[str], str, list[T]] | None:
+    """An einsum's operand subscripts, its output's, and its operands; ``...`` spelled out
+    as capital letters (right-aligned, as einsum broadcasts)."""
+    args = op.call_args
+    eq = args[0] if args and isinstance(args[0], str) else None
+    operands = list(tensors_in(args[1:]))
+    if eq is None or "->" not in eq:
+        return None
+    lhs, out = eq.replace(" ", "").split("->")
+    parts = lhs.split(",")
+    if len(parts) != len(operands):
+        return None
+    width = max(
+        (t.dim() - (len(p) - 3) for t, p in zip(operands, parts, strict=True) if "..." in p),
+        default=0,
+    )
+    specs = [expand_ellipsis(p, t.dim(), width) for p, t in zip(parts, operands, strict=True)]
+    if "..." in out:
+        out = expand_ellipsis(out, width + len(out) - 3, width)
+    return specs, out, operands
+
+
 def _contracted(op: Op, x: T) -> list[int] | None:
     """The axes of ``x`` a linear call sums over (its features), by what the call does."""
     args = op.call_args
@@ -108,22 +130,12 @@ def _contracted(op: Op, x: T) -> list[int] | None:
     if name in ("addmm", "baddbmm") and len(args) >= 3:
         return [x.dim() - 1] if args[1] is x else [max(x.dim() - 2, 0)]
     if name == "einsum":
-        eq = args[0] if args and isinstance(args[0], str) else None
-        operands = list(tensors_in(args[1:]))
-        if eq is None or "->" not in eq:
+        letters = einsum_letters(op)
+        if letters is None:
             return None
-        lhs, out = eq.replace(" ", "").split("->")
-        parts = lhs.split(",")
-        if len(parts) != len(operands):
-            return None
-        width = max(
-            (t.dim() - (len(p) - 3) for t, p in zip(operands, parts, strict=True) if "..." in p),
-            default=0,
-        )
-        out = expand_ellipsis(out, width + len(out) - 3, width) if "..." in out else out
-        for spec, t in zip(parts, operands, strict=True):
+        specs, out, operands = letters
+        for spec, t in zip(specs, operands, strict=True):
             if t is x:
-                spec = expand_ellipsis(spec, t.dim(), width)
                 return [i for i, c in enumerate(spec) if c not in out]
         return None
     if name in ("conv1d", "conv2d"):  # a 1 x 1 convolution over channels-first input

@@ -36,7 +36,7 @@ from ..errors import AttnScopeError
 from .dataflow import LAYOUT_OPS, Graph
 from .features import MASKING_OPS, Features, Unsupported, mask_shape
 from .layer import Core, Structure
-from .projections import Projection, expand_ellipsis, fold_bias, read_projection
+from .projections import Projection, einsum_letters, fold_bias, read_projection
 from .record import ModuleCall, Op, Recorder, tensors_in
 
 __all__ = [
@@ -61,21 +61,10 @@ _PRODUCT = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "eins
 
 def _einsum_sides(op: Op) -> tuple[int, int, int] | None:
     """For a two-operand einsum: (query operand, key operand, contracted size)."""
-    eq = op.call_args[0] if op.call_args and isinstance(op.call_args[0], str) else None
-    operands = list(tensors_in(op.call_args[1:]))
-    if eq is None or len(operands) != 2 or "->" not in eq:
+    letters = einsum_letters(op)
+    if letters is None or len(letters[0]) != 2:
         return None
-    lhs, out = eq.replace(" ", "").split("->")
-    parts = lhs.split(",")
-    if len(parts) != 2:
-        return None
-    width = (
-        max(t.dim() - (len(p) - 3) for t, p in zip(operands, parts, strict=True) if "..." in p)
-        if "..." in eq
-        else 0
-    )
-    a, b = (expand_ellipsis(p, t.dim(), width) for p, t in zip(parts, operands, strict=True))
-    out = expand_ellipsis(out, width + 3, width) if "..." in out else out
+    (a, b), out, operands = letters
     free_a = [c for c in out if c in a and c not in b]
     free_b = [c for c in out if c in b and c not in a]
     if not free_a or not free_b:
