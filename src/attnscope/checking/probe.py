@@ -173,7 +173,7 @@ class ModuleProbe:
             )
         layer = self.entry.module if self.entry is not None else self.module
         if self.weights:
-            binding = bind_names(layer, self.weights, st.heads)
+            binding = bind_names(self.module, self.weights, st.heads)  # paths from the target
         else:
             binding = bind_structure(st, layer, self.module)
         self.binding = binding
@@ -254,7 +254,6 @@ class ModuleProbe:
                     self.entry = self._entry(st, rec, batch)
                     self.notes.append(f"the attention layer checked is {st.layer!r}")
                 return st
-        widths = self._widths()
         if widths and errors:  # runs where nothing watches it? then it cannot be read
             x = torch.randn(BATCH, tokens, widths[0], generator=self.discovery_gen)
             out, err = self._invoke_root(x)
