@@ -84,17 +84,8 @@ class Graph:
 
     def roots(self, node: int) -> set[str]:
         """The input leaves a node was made from (``input:0``, ``input:1``...)."""
-        seen, stack, found = set(), [node], set()
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            op = self.ops[i]
-            if op.leaf is not None and op.leaf.startswith("input"):
-                found.add(op.leaf)
-            stack.extend(a for a in op.args if self.tainted[a])
-        return found
+        leaves = (self.ops[i].leaf or "" for i in self.ancestors(node))
+        return {leaf for leaf in leaves if leaf.startswith("input")}
 
     def params_of(self, op: Op, nodes: list[int] | None = None) -> tuple[str, ...]:
         """The parameters an op read (or these of its argument nodes), by name, through

@@ -30,6 +30,7 @@ from ..errors import AttnScopeError, describe
 from ..stages import Kind, Stage
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
+from .dataflow import Graph
 from .features import Unsupported
 from .judge import Call, Judge
 from .record import Op, Recorder
@@ -276,7 +277,7 @@ class ModuleProbe:
         hidden states (found by identity on a second, identical run) and their layout."""
         node = st.input_node
         # the latest tensor made before the layer's call (or first seen inside it, a leaf)
-        ancestors = _tainted_ancestors(rec, node)
+        ancestors = Graph(rec).ancestors(node)
         before = [i for i in ancestors if i < st.call.start or rec.ops[i].leaf is not None]
         hidden = rec._alive[max(before)] if before else rec._alive[node]
         value = hidden.detach().clone()
@@ -692,20 +693,3 @@ class ModuleProbe:
         report.structure = self._structure_report(judge.spec or options[0][1])
         report.layer = self.entry.path if self.entry is not None else None
         return report
-
-
-def _tainted_ancestors(rec: Recorder, node: int) -> list[int]:
-    """The nodes a node was made from that descend from the probe input (itself included)."""
-    ops = rec.ops
-    tainted = [False] * (node + 1)
-    for op in ops[: node + 1]:  # ops come in the order they were made
-        leaf = op.leaf or ""
-        tainted[op.index] = leaf.startswith("input") or any(tainted[a] for a in op.args)
-    seen, stack = set(), [node]
-    while stack:
-        i = stack.pop()
-        if i in seen or not tainted[i]:
-            continue
-        seen.add(i)
-        stack.extend(ops[i].args)
-    return sorted(seen)

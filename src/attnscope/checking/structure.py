@@ -532,9 +532,7 @@ def stage_of(rec: Recorder, st: Structure, index: int):
 
     g = Graph(rec)
     ops = rec.ops
-
-    def descendants(node: int) -> set[int]:
-        return g.descendants(node)
+    descendants = g.descendants
 
     def ancestors(node: int) -> set[int]:
         return g.ancestors(node, every=True)
