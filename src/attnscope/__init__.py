@@ -7,7 +7,8 @@ runs anyone's attention code and names the first stage that goes wrong.
 
 from __future__ import annotations
 
-from . import functional
+from . import functional, render  # noqa: F401  (render fills the table of renderers)
+from ._version import __version__
 from .checking import CheckReport, check
 from .errors import AttnScopeError
 from .examples import BOOK_TOKENS, TOY_TOKENS, book_embeddings, toy_scores
@@ -15,9 +16,8 @@ from .modules import CausalAttention, MultiHeadAttention, SelfAttentionV1, SelfA
 from .stages import KINDS, Dims, Stage
 from .trace import QueryWalk, Trace, trace
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "AttnScopeError",
     "BOOK_TOKENS",
     "CausalAttention",

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import __version__
+from ._version import __version__
 from .checking.engine import DEFAULT_TIMEOUT
 from .errors import SEED_MAX, SEED_MIN, AttnScopeError
 from .render import claim_output

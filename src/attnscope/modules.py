@@ -8,18 +8,14 @@ with ``d_out`` features, and every module can be traced (``module.trace(x)``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import functional as AF
-from .errors import AttnScopeError, check_embeddings, describe
+from .errors import AttnScopeError, describe
 from .stages import Stage
-
-if TYPE_CHECKING:
-    from .trace import Trace
+from .trace import Traceable
 
 __all__ = ["SelfAttentionV1", "SelfAttentionV2", "CausalAttention", "MultiHeadAttention"]
 
@@ -36,42 +32,7 @@ def _probability(name: str, value: object) -> float:
     return float(value)
 
 
-class _Traceable(nn.Module):
-    """Shared plumbing: input checks, stage recording, ``trace``."""
-
-    kind: str = "self"
-    d_in: int
-    d_out: int
-    context_length: int | None = None
-    num_heads: int | None = None
-
-    def _check(self, x: object) -> torch.Tensor:
-        x = check_embeddings(x, d_in=self.d_in, max_tokens=self.context_length)
-        # A float64 input into float32 weights fails deep inside matmul; say so up front.
-        param = next(self.parameters(), None)
-        if param is not None and x.dtype != param.dtype:
-            dtype = str(param.dtype).removeprefix("torch.")
-            raise AttnScopeError(
-                f"x: expected {dtype} to match the module's weights, got {describe(x)}; "
-                f"convert it with .to(torch.{dtype}) (or the module with .to(x.dtype))"
-            )
-        return x
-
-    def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(T, d_in)`` or ``(B, T, d_in)`` -> ``(T, d_out)`` or ``(B, T, d_out)``."""
-        return self._pipeline(self._check(x), None)
-
-    def trace(self, x: torch.Tensor, labels: list[str] | None = None) -> Trace:
-        """Run the explicit path and return every stage by name (see :class:`~attnscope.Trace`)."""
-        from .trace import trace
-
-        return trace(self, x, labels=labels)
-
-
-class SelfAttentionV1(_Traceable):
+class SelfAttentionV1(Traceable):
     """Self-attention with ``nn.Parameter`` weight matrices stored ``(d_in, d_out)``.
 
     ``W_query``, ``W_key``, ``W_value`` are drawn with ``torch.rand`` in that order, as in
@@ -116,7 +77,7 @@ class SelfAttentionV1(_Traceable):
         return v1
 
 
-class SelfAttentionV2(_Traceable):
+class SelfAttentionV2(Traceable):
     """Self-attention with ``nn.Linear`` projections (weights stored ``(d_out, d_in)``)."""
 
     kind = "self"
@@ -180,7 +141,7 @@ class CausalAttention(SelfAttentionV2):
         )
 
 
-class MultiHeadAttention(_Traceable):
+class MultiHeadAttention(Traceable):
     """Multi-head self-attention with an output projection (the book's 3.6.2).
 
     ``d_out`` is split into ``num_heads`` heads of ``head_dim = d_out // num_heads``

@@ -14,16 +14,54 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from . import functional as AF
+from .display import RenderedFigures
 from .errors import AttnScopeError, check_embeddings, check_labels, check_token_index, describe
 from .stages import Dims, Stage, stages_for_kind
 
-__all__ = ["Trace", "QueryWalk", "ShapeCheck", "trace"]
+__all__ = ["Trace", "Traceable", "QueryWalk", "ShapeCheck", "trace"]
+
+
+class Traceable(nn.Module):
+    """What :func:`trace` can run: a module whose forward is one explicit pipeline.
+
+    Subclasses (the modules in :mod:`attnscope.modules`) implement :meth:`_pipeline`, which
+    computes the output and, given a ``record``, stores every stage in it by name; the
+    forward pass runs it without one. Input checks live here, once, for every module.
+    """
+
+    kind: str = "self"
+    d_in: int
+    d_out: int
+    context_length: int | None = None
+    num_heads: int | None = None
+
+    def _check(self, x: object) -> torch.Tensor:
+        x = check_embeddings(x, d_in=self.d_in, max_tokens=self.context_length)
+        # A float64 input into float32 weights fails deep inside matmul; say so up front.
+        param = next(self.parameters(), None)
+        if param is not None and x.dtype != param.dtype:
+            dtype = str(param.dtype).removeprefix("torch.")
+            raise AttnScopeError(
+                f"x: expected {dtype} to match the module's weights, got {describe(x)}; "
+                f"convert it with .to(torch.{dtype}) (or the module with .to(x.dtype))"
+            )
+        return x
+
+    def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(T, d_in)`` or ``(B, T, d_in)`` -> ``(T, d_out)`` or ``(B, T, d_out)``."""
+        return self._pipeline(self._check(x), None)
+
+    def trace(self, x: torch.Tensor, labels: Sequence[str] | None = None) -> Trace:
+        """Run the explicit path and return every stage by name (see :class:`Trace`)."""
+        return trace(self, x, labels=labels)
 
 
 @dataclass(frozen=True)
@@ -95,7 +133,7 @@ class QueryWalk:
 
 
 @dataclass
-class Trace:
+class Trace(RenderedFigures):
     """Every stage of one forward pass, in pipeline order.
 
     Index by stage name (``trace["weights"]``) or :class:`Stage`. Shapes follow the
@@ -176,48 +214,6 @@ class Trace:
             self._walks[key] = _walk(self, t, batch)
         return self._walks[key]
 
-    # Rendering lives in attnscope.render; these are thin doors to it.
-    def plot(self, stage: str = "weights", path: str | None = None, **kwargs):
-        """Heatmap of ``stage`` (scores, scaled_scores, masked_scores or weights): the
-        matplotlib figure, or with ``path`` the path written (``overwrite=True`` to replace
-        a file)."""
-        from .render.figures import heatmap
-
-        fig = heatmap(self, stage=stage, path=path, **kwargs)
-        return fig if path is None else _closed(fig, path)
-
-    def pipeline_figure(self, path: str | None = None, **kwargs):
-        """The seed's pipeline diagram, drawn from this trace's real shapes and values: the
-        figure, or with ``path`` the path written."""
-        from .render.figures import pipeline_figure
-
-        fig = pipeline_figure(self, path=path, **kwargs)
-        return fig if path is None else _closed(fig, path)
-
-    def to_html(self, path: str | None = None, *, overwrite: bool = False) -> str | Path:
-        """A self-contained HTML report of this trace: the HTML, or with ``path`` the path
-        written (never over a file unless ``overwrite``)."""
-        from .render.html import trace_html
-
-        html = trace_html(self, path=path, overwrite=overwrite)
-        return html if path is None else Path(path)
-
-    def _repr_html_(self) -> str:
-        return self.to_html()
-
-    def __str__(self) -> str:
-        from .render.text import trace_text
-
-        return trace_text(self, color=False)  # str() is plain text wherever it is printed
-
-
-def _closed(fig, path) -> Path:
-    """A figure written to ``path`` is done with: close it (a REPL then echoes the path)."""
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return Path(path)
-
 
 def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None = None) -> Trace:
     """Run ``target`` on ``x`` through its explicit path and record every stage.
@@ -232,8 +228,6 @@ def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None
     stage belongs to one computation (``weights`` is what ``context`` was made from); each
     submodule's train/eval mode is restored afterwards.
     """
-    from .modules import _Traceable
-
     record: dict[str, torch.Tensor] = {}
     modes = {m: m.training for m in target.modules()} if isinstance(target, nn.Module) else {}
     with torch.no_grad(), _eval_mode(modes):
@@ -245,7 +239,7 @@ def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None
             x = check_embeddings(x, name="inputs")
             AF.simplified_attention(x, record=record)
             kind, d_out, heads, module = "simplified", x.shape[-1], None, None
-        elif isinstance(target, _Traceable):
+        elif isinstance(target, Traceable):
             x = target._check(x)
             target._pipeline(x, record)
             kind, d_out, heads, module = target.kind, target.d_out, target.num_heads, target

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from ..display import Rendered
 from ..stages import Stage
 
 __all__ = ["CheckReport", "Failure", "StageCheck", "single_head"]
@@ -60,11 +60,12 @@ class Failure:
 
 
 @dataclass
-class CheckReport:
+class CheckReport(Rendered):
     """The result of checking one implementation against the reference pipeline.
 
     ``checks`` runs in pipeline order and stops at the first failing stage, as the seed's
-    checklist does. ``to_dict()`` is the JSON contract of ``attnscope check --json``.
+    checklist does. ``to_dict()`` is the JSON contract of ``attnscope check --json``;
+    ``to_text()``, ``to_html(path)`` and ``str()`` draw it (see :mod:`attnscope.render`).
     """
 
     ok: bool
@@ -95,23 +96,3 @@ class CheckReport:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
-
-    def to_text(self, color: bool | None = None) -> str:
-        """The seed's checklist as text (rich tables on a terminal)."""
-        from ..render.text import check_text
-
-        return check_text(self, color=color)
-
-    def to_html(self, path: str | None = None, *, overwrite: bool = False) -> str | Path:
-        """A self-contained HTML report: the HTML, or with ``path`` the path written (never
-        over a file unless ``overwrite``)."""
-        from ..render.html import check_html
-
-        html = check_html(self, path=path, overwrite=overwrite)
-        return html if path is None else Path(path)
-
-    def _repr_html_(self) -> str:
-        return self.to_html()
-
-    def __str__(self) -> str:
-        return self.to_text(color=False)

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..display import renders
 from ..errors import AttnScopeError, check_token_index, describe
 from ..stages import MATRIX_STAGES, Stage
-from . import claim_output, write_output
+from ..trace import Trace
+from .files import claim_output, write_output
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-    from ..trace import Trace
 
 __all__ = [
     "heatmap",
@@ -365,13 +365,19 @@ def trace_name(trace: Trace) -> str:
     return f"{type(trace.module).__name__} ({trace.kind})"
 
 
-def _select(trace: Trace, tensor: torch.Tensor, batch: int) -> torch.Tensor:
-    """Drop the batch axis: sequence ``batch`` of a batched trace, as float64."""
+def _batch_index(trace: Trace, batch: object) -> int | None:
+    """``batch`` checked against the trace: the sequence to draw, or None when unbatched."""
     if trace.dims.batch is None:
         if batch != 0:
             raise AttnScopeError(f"batch: expected 0 for an unbatched trace, got {describe(batch)}")
-    else:
-        tensor = tensor[check_token_index(batch, trace.dims.batch, name="batch", noun="sequences")]
+        return None
+    return check_token_index(batch, trace.dims.batch, name="batch", noun="sequences")
+
+
+def _select(tensor: torch.Tensor, batch: int | None) -> torch.Tensor:
+    """Drop the batch axis (keep sequence ``batch``; ``None``: unbatched), as float64."""
+    if batch is not None:
+        tensor = tensor[batch]
     return tensor.detach().to("cpu", torch.float64)
 
 
@@ -410,12 +416,16 @@ def stage_panels(trace: Trace, stage: str | Stage, batch: int = 0) -> list[Panel
 
     Needs no matplotlib: the HTML report draws these as tables when it is missing.
     """
-    st = _matrix_stage(trace, stage)
-    values = _select(trace, trace[st], batch)  # (T, T) or (H, T, T)
+    return panels_of(trace, _matrix_stage(trace, stage), _batch_index(trace, batch))
+
+
+def panels_of(trace: Trace, st: Stage, batch: int | None) -> list[Panel]:
+    """:func:`stage_panels` for a stage of the trace and a batch index already checked."""
+    values = _select(trace[st], batch)  # (T, T) or (H, T, T)
     mask = ~torch.isfinite(values)
     if st is Stage.WEIGHTS and Stage.MASKED_SCORES.value in trace:
         # A weight of 0 at a masked key is the mask at work, not a small weight.
-        mask |= torch.isneginf(_select(trace, trace[Stage.MASKED_SCORES], batch))
+        mask |= torch.isneginf(_select(trace[Stage.MASKED_SCORES], batch))
     heads = trace.dims.num_heads
     values = values.reshape(-1, *values.shape[-2:])  # (H or 1, T, T)
     mask = mask.reshape(values.shape)
@@ -432,6 +442,7 @@ def stage_panels(trace: Trace, stage: str | Stage, batch: int = 0) -> list[Panel
     ]
 
 
+@renders(Trace, "heatmap")
 def heatmap(
     trace: Trace,
     stage: str | Stage = "weights",
@@ -467,9 +478,22 @@ def heatmap(
         _format_for(path)
         refuse_existing(path, overwrite)
     cell = _check_highlight(highlight, trace.dims.tokens)
-    panels = stage_panels(trace, st, batch)
+    fig = draw_heatmap(trace, st, cell, _batch_index(trace, batch), annotate)
+    _save(fig, path, overwrite)
+    return fig
+
+
+def draw_heatmap(
+    trace: Trace,
+    st: Stage,
+    cell: tuple[int, int] | None = None,
+    batch: int | None = None,
+    annotate: bool | None = None,
+) -> Figure:
+    """:func:`heatmap`'s drawing, from values already checked: a stage the trace has, an
+    in-range ``(query, key)`` cell or None, and the batch index (None when unbatched)."""
     title = f"{st.value} — {trace_name(trace)}"
-    if trace.dims.batch is not None:
+    if batch is not None:
         title += f", sequence {batch}"
     if cell is not None:
         q, k = cell
@@ -478,8 +502,8 @@ def heatmap(
             f"key “{trace.labels[k]}” (column {k})"
         )
     masked_note = "masked: key after the query" if st is Stage.WEIGHTS else "masked (-inf)"
-    fig = matrix_figure(
-        panels,
+    return matrix_figure(
+        panels_of(trace, st, batch),
         rows=trace.labels,
         cols=trace.labels,
         title=title,
@@ -487,8 +511,6 @@ def heatmap(
         highlight=cell,
         masked_note=masked_note,
     )
-    _save(fig, path, overwrite)
-    return fig
 
 
 # --- the pipeline diagram -------------------------------------------------------------------
@@ -566,11 +588,11 @@ def _weight_box(module: Any, name: str, row: int) -> _Box:
     return _Box(name, name, sub, tuple(tensor.shape), tensor, "param", 1, row)
 
 
-def _pipeline_boxes(trace: Trace, batch: int) -> list[_Box]:
+def _pipeline_boxes(trace: Trace, batch: int | None) -> list[_Box]:
     heads = trace.dims.num_heads
 
     def values(name: str) -> torch.Tensor:
-        v = _select(trace, trace[name], batch)
+        v = _select(trace[name], batch)
         return v[0] if heads is not None and name != "output" else v
 
     def box(name: str, title: str, sub: str, fill: str, col: int, row: int) -> _Box:
@@ -578,7 +600,7 @@ def _pipeline_boxes(trace: Trace, batch: int) -> list[_Box]:
         note = f"head 0 of {heads}" if heads is not None and name != "output" else ""
         return _Box(name, title, sub, tuple(trace[name].shape), shown, fill, col, row, note)
 
-    x = _select(trace, trace.inputs, batch)
+    x = _select(trace.inputs, batch)
     if trace.module is None:  # simplified: the inputs are the queries, keys and values
         return [
             _Box(
@@ -747,6 +769,7 @@ def _connect(ax: Any, boxes: dict[str, _Box]) -> None:
         _arrow(ax, context.bottom(), boxes["output"].top())
 
 
+@renders(Trace, "pipeline")
 def pipeline_figure(
     trace: Trace,
     path: str | Path | None = None,
@@ -777,6 +800,7 @@ def pipeline_figure(
     if path is not None:
         _format_for(path)
         refuse_existing(path, overwrite)
+    batch = _batch_index(trace, batch)
     boxes = _pipeline_boxes(trace, batch)
     fig = _new_figure(figsize=(8, 4))
     ax = fig.add_axes((0, 0, 1, 1))

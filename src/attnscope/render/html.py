@@ -26,28 +26,32 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..errors import AttnScopeError, check_token_index
+from .._version import __version__
+from ..checking.report import CheckReport
+from ..display import renders
+from ..errors import AttnScopeError
 from ..stages import Stage
-from . import write_output
+from ..trace import Trace
 from .figures import (
     MATRIX_STAGES,
     Panel,
     _require_matplotlib,
+    draw_heatmap,
     figure_bytes,
-    heatmap,
     matrix_figure,
+    panels_of,
     pipeline_figure,
     refuse_existing,
-    stage_panels,
     trace_name,
     value_range,
 )
+from .files import write_output
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from ..checking.report import CheckReport, StageCheck
-    from ..trace import QueryWalk, Trace
+    from ..checking.report import StageCheck
+    from ..trace import QueryWalk
 
 __all__ = ["trace_html", "check_html"]
 
@@ -215,8 +219,6 @@ def _page(body: str, title: str, full_page: bool) -> str:
     div = f'<div class="attnscope"><style>{_CSS}</style>\n{body}\n</div>'
     if not full_page:
         return div
-    from .. import __version__
-
     # The policy allows inline styles and data: images only: no script, font or fetch.
     csp = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
     return (
@@ -268,6 +270,7 @@ def _checks_table(checks: Iterable[tuple[str, bool, str]]) -> str:
 def _heatmaps(trace: Trace, figures: bool) -> str:
     tokens = trace.dims.tokens
     cell = (1, 1) if tokens >= 2 else None
+    first = None if trace.dims.batch is None else 0  # pictures show sequence 0
     parts = []
     if figures:
         if cell is not None:
@@ -278,7 +281,7 @@ def _heatmaps(trace: Trace, figures: bool) -> str:
         parts.append('<div class="figures">')
         for st in MATRIX_STAGES:
             if st.value in trace:
-                fig = heatmap(trace, st, highlight=cell)
+                fig = draw_heatmap(trace, st, cell, first)
                 caption = (
                     f"<code>{st.value}</code>: rows are queries, columns are keys; "
                     f"{escape(st.rule)}."
@@ -296,7 +299,7 @@ def _heatmaps(trace: Trace, figures: bool) -> str:
     for st in MATRIX_STAGES:
         if st.value not in trace:
             continue
-        for panel in stage_panels(trace, st):
+        for panel in panels_of(trace, st, first):
             title = st.value + (f", {panel.title}" if panel.title else "")
             table = _matrix_table(
                 panel.values,
@@ -342,9 +345,8 @@ def _per_key_table(w: QueryWalk, labels: Sequence[str]) -> str:
     )
 
 
-def _walk(trace: Trace, token: int) -> str:
-    """The seed's single-query computation for ``token``, step by step."""
-    w = trace.walk(token)
+def _walk(trace: Trace, w: QueryWalk) -> str:
+    """The seed's single-query computation for one token, step by step."""
     t = trace.dims.tokens
     keys_table = f'<p class="note">{t} keys: too many to list; see the heatmaps.</p>'
     if t <= LIST_MAX:
@@ -377,6 +379,7 @@ def _walk(trace: Trace, token: int) -> str:
     )
 
 
+@renders(Trace, "html")
 def trace_html(
     trace: Trace,
     path: str | Path | None = None,
@@ -409,8 +412,7 @@ def trace_html(
     refuse_existing(path, overwrite)
     if token == 1 and trace.dims.tokens < 2:
         token = None  # the default query does not exist: no walk
-    if token is not None:
-        token = check_token_index(token, trace.dims.tokens, name="token")
+    walk = None if token is None else trace.walk(token)  # checks token, once
     if full_page is None:
         full_page = path is not None
     title = title or f"attnscope trace: {trace_name(trace)}"
@@ -438,8 +440,8 @@ def trace_html(
         fig = pipeline_figure(trace)
         body += ["<h2>Pipeline</h2>", _figure(fig, "the attention pipeline", "pipeline", caption)]
     body += ["<h2>Heatmaps</h2>", _heatmaps(trace, figures)]
-    if token is not None:
-        body.append(_walk(trace, token))
+    if walk is not None:
+        body.append(_walk(trace, walk))
     return _finish(_page("\n".join(body), title, full_page), path, overwrite)
 
 
@@ -551,6 +553,7 @@ def _check_stage_table(report: CheckReport, failing: StageCheck | None) -> str:
     return "".join(rows)
 
 
+@renders(CheckReport, "html")
 def check_html(
     report: CheckReport,
     path: str | Path | None = None,

@@ -20,12 +20,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..checking.report import CheckReport
+from ..display import renders
+from ..formatting import format_number as _num
+from ..formatting import format_values
 from ..stages import MATRIX_STAGES
+from ..trace import Trace
 
 if TYPE_CHECKING:
-    from ..checking.report import CheckReport
-    from ..demo import DemoResult, Step
-    from ..trace import Trace
+    from ..lesson import DemoResult, Step
 
 __all__ = [
     "use_color",
@@ -39,8 +42,6 @@ __all__ = [
 
 #: Tensors with more entries than this are summarised instead of printed.
 MAX_VALUES = 144
-#: :func:`format_values` shows this many values at each end of a longer vector.
-EDGE_VALUES = 4
 _LABEL_WIDTH = 10
 
 
@@ -105,24 +106,6 @@ def _shape(shape: Sequence[int] | None) -> str:
 
 def _label(text: str) -> str:
     return text if len(text) <= _LABEL_WIDTH else text[: _LABEL_WIDTH - 1] + "~"
-
-
-def _num(v: float) -> str:
-    return f"{v:.4f}"
-
-
-def format_values(t: torch.Tensor, *, edge: int = EDGE_VALUES) -> str:
-    """Values to 4 decimals on one line; a long one shows its first and last ``edge``.
-
-    ``0.1000 0.2000 ... 0.9000 1.0000 (128 values)``: for one-line messages, where a
-    vector of any length must stay readable.
-    """
-    values = t.detach().flatten().tolist()
-    if len(values) <= 2 * edge + 1:
-        return " ".join(_num(v) for v in values)
-    head = " ".join(_num(v) for v in values[:edge])
-    tail = " ".join(_num(v) for v in values[-edge:])
-    return f"{head} ... {tail} ({len(values)} values)"
 
 
 def format_tensor(
@@ -194,6 +177,7 @@ def _slice_for_display(tr: Trace, tensor: torch.Tensor, batch: int = 0) -> tuple
     return tensor, ""
 
 
+@renders(Trace, "text")
 def trace_text(
     trace: Trace,
     color: bool | None = None,
@@ -275,6 +259,7 @@ def _checklist(out: _Out, checks: Sequence[tuple[str, bool, str]]) -> None:
         out.line("  ", (word, style), "  ", name, (f"  ({detail})" if detail else "", "dim"))
 
 
+@renders(CheckReport, "text")
 def check_text(report: CheckReport, color: bool | None = None) -> str:
     """The check report as the seed's checklist.
 

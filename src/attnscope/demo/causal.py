@@ -1,0 +1,139 @@
+"""Causal attention: hide the future, then dropout on the weights (``CausalAttention``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import functional as AF
+from ..lesson import Check, Shown, Step
+from ..modules import CausalAttention
+from ..trace import ShapeCheck, Trace
+from .checks import (
+    BOOK_SEEDS,
+    agree,
+    book,
+    output_shape,
+    rows_are_distributions,
+    seeded,
+    shapes,
+    show,
+    walk_check,
+)
+
+PART = "causal"
+D_OUT = 2  # as in the book
+DROPOUT = 0.5  # the book's demonstration of dropout
+
+
+def walk(x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, seed: int | None):
+    """CausalAttention on ``x`` ``(T, d_in)``, context_length=T: ``(steps, trace)``."""
+    s = BOOK_SEEDS["causal"] if seed is None else seed
+    with seeded(s):
+        ca = CausalAttention(x.shape[-1], D_OUT, context_length=x.shape[-2], dropout=0.0)
+    ca.eval()
+    tr = ca.trace(x, labels=labels)
+    steps = [
+        _masked_scores(tr, s),
+        _masked_weights(tr),
+        _output(ca, tr, x, t, is_book),
+        _dropout(x.shape[-2], s),
+    ]
+    return steps, tr
+
+
+def _masked_scores(tr: Trace, seed: int) -> Step:
+    masked, tokens = tr["masked_scores"], tr.dims.tokens
+    hide = AF.causal_mask(tokens)
+    mask_ok = bool(torch.isneginf(masked[hide]).all() and torch.isfinite(masked[~hide]).all())
+    return Step(
+        PART,
+        "Hide the future: masked_scores",
+        f"torch.manual_seed({seed}); CausalAttention(d_in={tr.dims.d_in}, d_out={D_OUT}, "
+        f"context_length={tokens}, dropout=0.0). Predict: the scaled scores with -inf "
+        "above the diagonal: token i may look at tokens 0..i only.",
+        shapes(tr, ("scores", "scaled_scores", "masked_scores")),
+        [show("masked_scores", masked, tr, square=True)],
+        [
+            Check(
+                "the masked scores are -inf exactly above the diagonal",
+                mask_ok,
+                f"{int(hide.sum())} future positions -inf, the other {int((~hide).sum())} finite",
+            )
+        ],
+    )
+
+
+def _masked_weights(tr: Trace) -> Step:
+    return Step(
+        PART,
+        "Weights: softmax over the visible keys",
+        "Predict: zeros above the diagonal, each row still sums to 1; the first token "
+        "can only attend to itself (weight 1).",
+        shapes(tr, ("weights",)),
+        [show("weights", tr["weights"], tr, square=True)],
+        [rows_are_distributions(tr["weights"], tr["masked_scores"], causal=True)],
+    )
+
+
+def _output(ca: CausalAttention, tr: Trace, x: torch.Tensor, t: int, is_book: bool) -> Step:
+    out, tokens = tr.result, tr.dims.tokens
+    checks = [output_shape(out, tokens, D_OUT), walk_check(tr, t)]
+    if tokens > 1:
+        q = t if t < tokens - 1 else 0  # a query with future tokens to change
+        changed = x.clone()
+        changed[q + 1 :] += 1.0
+        with torch.no_grad():
+            out_changed = ca(changed)
+        checks.append(
+            agree(
+                f"changing the tokens after {q} leaves output rows 0..{q} unchanged",
+                out_changed[: q + 1],
+                out[: q + 1],
+                f"tokens {q + 1}.. shifted by 1",
+            )
+        )
+    if is_book:
+        checks.append(book("causal first row", out[0]))
+    return Step(
+        PART,
+        "Output: one context row per token",
+        f"Predict: ({tokens}, {D_OUT}); row i depends on tokens 0..i only.",
+        shapes(tr, ("context",)),
+        [show("output", out, tr)],
+        checks,
+    )
+
+
+def _dropout(tokens: int, seed: int) -> Step:
+    p = DROPOUT
+    with seeded(seed):
+        drop = nn.Dropout(p)
+        ones = torch.ones(tokens, tokens)
+        dropped = drop(ones)
+    kept = dropped[dropped != 0]
+    structure = bool(((dropped == 0) | (dropped == 1 / (1 - p))).all())
+    drop.eval()
+    identity = torch.equal(drop(ones), ones)
+    return Step(
+        PART,
+        f"Dropout on the weights (training only), p={p}",
+        f"torch.manual_seed({seed}); nn.Dropout({p}) on a matrix of ones. Predict: about half "
+        f"the entries become 0 and the rest become 1/(1-{p}) = {1 / (1 - p):g}, so the "
+        "expected sum is unchanged; in eval mode nothing changes.",
+        [ShapeCheck("dropped", (tokens, tokens), tuple(dropped.shape), "same shape as the input")],
+        [Shown("dropout(ones)", dropped)],
+        [
+            Check(
+                "dropout zeroes entries and scales the kept ones by 1/(1-p) in training mode",
+                structure and kept.numel() > 0,
+                f"{int((dropped == 0).sum())} zeros, {kept.numel()} kept, all equal to "
+                f"{1 / (1 - p):g}: {structure}",
+            ),
+            Check(
+                "dropout is the identity in eval mode",
+                identity,
+                "nn.Dropout.eval()(ones) equals ones" if identity else "eval mode changed it",
+            ),
+        ],
+    )
