@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "attnscope"
 LAYERS = [
     {"_version", "errors", "formatting", "display", "stages", "examples", "inputs"},
     {"functional"},
-    {"trace", "modules"},
+    {"trace", "modules", "grouped"},
     {"checking"},
     {"lesson", "render"},
     {"demo"},

@@ -12,6 +12,7 @@ from ._version import __version__
 from .checking import CheckReport, check
 from .errors import AttnScopeError
 from .examples import BOOK_TOKENS, TOY_TOKENS, book_embeddings, toy_scores
+from .grouped import GroupedQueryAttention
 from .modules import CausalAttention, MultiHeadAttention, SelfAttentionV1, SelfAttentionV2
 from .stages import KINDS, Dims, Stage
 from .trace import QueryWalk, Trace, trace
@@ -23,6 +24,7 @@ __all__ = [
     "CausalAttention",
     "CheckReport",
     "Dims",
+    "GroupedQueryAttention",
     "KINDS",
     "MultiHeadAttention",
     "QueryWalk",

@@ -123,11 +123,12 @@ MATRIX_STAGES = (
     Stage.WEIGHTS,
 )
 
+_KV_RULE = "one row per token, d_out columns (per head: head_dim columns; kv_heads heads)"
 _RULES = {
     Stage.QUERY: "one vector: the query token's row, with d_k features",
     Stage.QUERIES: "one row per token, d_out columns (per head: head_dim columns)",
-    Stage.KEYS: "one row per token, d_out columns (per head: head_dim columns)",
-    Stage.VALUES: "one row per token, d_out columns (per head: head_dim columns)",
+    Stage.KEYS: _KV_RULE,
+    Stage.VALUES: _KV_RULE,
     Stage.NORMED_QUERIES: "same shape as queries: each query vector normalised (QK norm)",
     Stage.NORMED_KEYS: "same shape as keys: each key vector normalised (QK norm)",
     Stage.ROTATED_QUERIES: "same shape as queries: each pair of features rotated by its position",
@@ -147,7 +148,10 @@ class Dims:
     """Sizes that determine every stage's shape.
 
     ``batch`` is ``None`` for unbatched input ``(tokens, d_in)``; ``num_heads`` is ``None``
-    for single-head attention (then per-head stages have no head axis).
+    for single-head attention (then per-head stages have no head axis). ``kv_heads``
+    (grouped heads: keys and values have fewer heads), ``head_size`` (a head width other
+    than ``d_out // num_heads``) and ``key_tokens`` (cross-attention: keys from another
+    sequence) default to the plain case.
     """
 
     tokens: int
@@ -155,10 +159,13 @@ class Dims:
     d_out: int
     batch: int | None = None
     num_heads: int | None = None
+    kv_heads: int | None = None
+    head_size: int | None = None
+    key_tokens: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.d_out // (self.num_heads or 1)
+        return self.head_size or self.d_out // (self.num_heads or 1)
 
     @property
     def d_k(self) -> int:
@@ -168,23 +175,17 @@ class Dims:
     def shape_of(self, stage: Stage) -> tuple[int, ...]:
         lead = () if self.batch is None else (self.batch,)
         heads = () if self.num_heads is None else (self.num_heads,)
-        t = self.tokens
+        kv = heads if self.kv_heads is None else (self.kv_heads,)
+        t, s = self.tokens, self.key_tokens or self.tokens
         if stage is Stage.QUERY:
             return (self.head_dim,)
-        if stage in (
-            Stage.QUERIES,
-            Stage.KEYS,
-            Stage.VALUES,
-            Stage.NORMED_QUERIES,
-            Stage.NORMED_KEYS,
-            Stage.ROTATED_QUERIES,
-            Stage.ROTATED_KEYS,
-            Stage.CONTEXT,
-        ):
+        if stage in (Stage.QUERIES, Stage.NORMED_QUERIES, Stage.ROTATED_QUERIES, Stage.CONTEXT):
             return (*lead, *heads, t, self.head_dim)
+        if stage in (Stage.KEYS, Stage.VALUES, Stage.NORMED_KEYS, Stage.ROTATED_KEYS):
+            return (*lead, *kv, s, self.head_dim)
         if stage is Stage.OUTPUT:
             return (*lead, t, self.d_out)
-        return (*lead, *heads, t, t)
+        return (*lead, *heads, t, s)
 
 
 def stages_for_kind(kind: str | Kind) -> tuple[Stage, ...]:

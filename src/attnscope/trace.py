@@ -21,7 +21,7 @@ from torch import nn
 from . import functional as AF
 from .display import RenderedFigures
 from .errors import AttnScopeError, check_embeddings, check_labels, check_token_index, describe
-from .stages import Dims, Stage, stages_for_kind
+from .stages import Dims, Stage
 
 __all__ = ["Trace", "Traceable", "QueryWalk", "ShapeCheck", "trace"]
 
@@ -52,6 +52,16 @@ class Traceable(nn.Module):
             )
         return x
 
+    def _check_inputs(
+        self, x: object, context: object = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` checked, and ``context`` (only cross-attention layers take one)."""
+        if context is not None:
+            raise AttnScopeError(
+                f"context: expected None for a self-attention layer, got {describe(context)}"
+            )
+        return self._check(x), None
+
     def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
         raise NotImplementedError
 
@@ -59,9 +69,41 @@ class Traceable(nn.Module):
         """``(T, d_in)`` or ``(B, T, d_in)`` -> ``(T, d_out)`` or ``(B, T, d_out)``."""
         return self._pipeline(self._check(x), None)
 
-    def trace(self, x: torch.Tensor, labels: Sequence[str] | None = None) -> Trace:
+    def trace(
+        self,
+        x: torch.Tensor,
+        labels: Sequence[str] | None = None,
+        context: torch.Tensor | None = None,
+    ) -> Trace:
         """Run the explicit path and return every stage by name (see :class:`Trace`)."""
-        return trace(self, x, labels=labels)
+        return trace(self, x, labels=labels, context=context)
+
+    # What Trace.walk asks of a module: one query computed alone. The defaults are the
+    # book's layers: a projection (split into heads), a causal row, no bias.
+
+    def _walk_query(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        """``(d_k,)`` or ``(H, head_dim)``: the query of one ``(d_in,)`` token alone."""
+        w = self.W_query
+        query = token @ w if isinstance(w, nn.Parameter) else w(token)
+        return query if self.num_heads is None else query.view(self.num_heads, -1)
+
+    def _walk_bias(self, position: int, keys: int) -> torch.Tensor | None:
+        """The bias added to that query's scaled scores, ``(..., 1, keys)``, or None."""
+        return None
+
+    def _walk_hidden(self, position: int, keys: int) -> torch.Tensor | None:
+        """``(1, keys)`` bool: the keys hidden from that query, or None."""
+        if "causal" not in str(self.kind):
+            return None
+        return AF.causal_mask(keys)[position : position + 1]
+
+    def _query_bound(self, token: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """A bound on the query's entries from ``|x| @ |W| (+ |bias|)``, and how many times
+        rounding is amplified after the projection (1: nothing happens to it)."""
+        w = self.W_query
+        weight, bias = (w, None) if isinstance(w, nn.Parameter) else (w.weight.T, w.bias)
+        projected = token.abs() @ weight.abs() + (0 if bias is None else bias.abs())
+        return projected, 1.0
 
 
 @dataclass(frozen=True)
@@ -96,7 +138,8 @@ class QueryWalk:
         token: the query position; ``label`` its token text.
         query: ``(d_k,)`` the query vector, projected from the token alone.
         scores, scaled_scores, masked_scores, weights: ``(T,)`` this query against every key
-            (``scaled_scores``/``masked_scores`` are ``None`` where the kind has none).
+            (``scaled_scores``/``masked_scores`` are ``None`` where the kind has none;
+            ``biased_scores``, last, where the layer adds a position bias).
         context: ``(d_v,)`` computed from this query alone.
         batched_context: the same row taken from the batched computation.
         rounding: how far floating-point rounding alone may move ``context`` from
@@ -117,6 +160,7 @@ class QueryWalk:
     batched_context: torch.Tensor
     rounding: torch.Tensor | float = 0.0
     scores_match: bool = True
+    biased_scores: torch.Tensor | None = None
 
     @property
     def max_abs_diff(self) -> float:
@@ -215,7 +259,12 @@ class Trace(RenderedFigures):
         return self._walks[key]
 
 
-def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None = None) -> Trace:
+def trace(
+    target: nn.Module | str,
+    x: torch.Tensor,
+    labels: Sequence[str] | None = None,
+    context: torch.Tensor | None = None,
+) -> Trace:
     """Run ``target`` on ``x`` through its explicit path and record every stage.
 
     Args:
@@ -223,6 +272,7 @@ def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None
             :class:`MultiHeadAttention`) or the string ``"simplified"`` for weightless attention.
         x: ``(T, d_in)`` or ``(B, T, d_in)`` embeddings.
         labels: one label per token, for reports and pictures (each made text with ``str``).
+        context: ``(S, d_in)`` or ``(B, S, d_in)``: what a cross-attention layer attends to.
 
     A module runs in eval mode while it is traced, so dropout is off and every recorded
     stage belongs to one computation (``weights`` is what ``context`` was made from); each
@@ -240,8 +290,9 @@ def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None
             AF.simplified_attention(x, record=record)
             kind, d_out, heads, module = "simplified", x.shape[-1], None, None
         elif isinstance(target, Traceable):
-            x = target._check(x)
-            target._pipeline(x, record)
+            x, context = target._check_inputs(x, context)
+            extra = {} if context is None else {"context": context}
+            target._pipeline(x, record, **extra)
             kind, d_out, heads, module = target.kind, target.d_out, target.num_heads, target
         else:
             raise AttnScopeError(
@@ -249,14 +300,19 @@ def trace(target: nn.Module | str, x: torch.Tensor, labels: Sequence[str] | None
                 f"{describe(target)}; to trace or check another implementation use "
                 "attnscope.check"
             )
+    kv_heads = getattr(module, "num_kv_heads", None)
     dims = Dims(
         tokens=x.shape[-2],
         d_in=x.shape[-1],
         d_out=d_out,
         batch=x.shape[0] if x.dim() == 3 else None,
         num_heads=heads,
+        kv_heads=None if kv_heads == heads else kv_heads,
+        head_size=getattr(module, "head_dim", None) if heads else None,
+        key_tokens=None if context is None else context.shape[-2],
     )
-    order = [s.value for s in stages_for_kind(kind) if s.value in record]
+    # The kind's stages, and what a modern layer adds (norms, rotations, a bias), in order.
+    order = [s.value for s in Stage if s.value in record]
     stages = {name: record[name] for name in order}
     labels = tuple(str(i) for i in range(dims.tokens)) if labels is None else labels
     return Trace(kind, x, stages, dims, check_labels(labels, dims.tokens), module)
@@ -274,48 +330,61 @@ def _eval_mode(modes: dict[nn.Module, bool]):
             module.training = training
 
 
-def _project_one(module: nn.Module, name: str, token: torch.Tensor) -> torch.Tensor:
-    """Project a single ``(d_in,)`` token with the module's ``name`` weights: ``(d_out,)``."""
-    w = getattr(module, name)
-    return token @ w if isinstance(w, nn.Parameter) else w(token)
-
-
 def _walk(tr: Trace, t: int, b: int) -> QueryWalk:
     x = tr.inputs if tr.inputs.dim() == 2 else tr.inputs[b]
     row = (lambda s: tr[s]) if tr.dims.batch is None else (lambda s: tr[s][b])
-    heads = tr.dims.num_heads
+    heads, module = tr.dims.num_heads, tr.module
     with torch.no_grad():
-        if tr.module is None:  # simplified: the query is the raw token
+        if module is None:  # simplified: the query is the raw token
             query, keys, values = x[t], x, x
         else:
-            query = _project_one(tr.module, "W_query", x[t])
-            keys, values = row("keys"), row("values")
-            if heads is not None:
-                query = query.view(heads, -1)  # (H, head_dim)
+            query = module._walk_query(x[t], t)  # (d_k,) or (H, head_dim)
+            # the keys the scores use: after any norm and rotation, one per query head
+            last = next(s for s in ("rotated_keys", "normed_keys", "keys") if s in tr)
+            keys, values = row(last), row("values")
+            if tr.dims.kv_heads is not None:
+                keys = AF.repeat_kv(keys, heads // tr.dims.kv_heads)
+                values = AF.repeat_kv(values, heads // tr.dims.kv_heads)
         if heads is None:
             scores = AF.query_scores(keys, query)
         else:
             scores = torch.stack([AF.query_scores(keys[h], query[h]) for h in range(heads)])
         # One query is a (1, T) row of the score matrix: the batched stages' own functions.
-        scaled = masked = None
+        scaled = biased = masked = None
         logits = scores.unsqueeze(-2)
+        n_keys = keys.shape[-2]
         if "scaled_scores" in tr:
             logits = AF.scale_scores(logits, keys.shape[-1])
             scaled = logits.squeeze(-2)
+        if "biased_scores" in tr:
+            logits = logits + module._walk_bias(t, n_keys).to(logits.dtype)
+            biased = logits.squeeze(-2)
         if "masked_scores" in tr:
-            hide = AF.causal_mask(tr.dims.tokens, device=logits.device)[t : t + 1]
-            logits = AF.apply_causal_mask(logits, hide)
+            logits = AF.apply_causal_mask(logits, module._walk_hidden(t, n_keys))
             masked = logits.squeeze(-2)
         weights = AF.softmax(logits, dim=-1)
         context = AF.context_vectors(weights, values).squeeze(-2)
         weights = weights.squeeze(-2)
         batched = row("context")[..., t, :]
-        last = next(s for s in ("masked_scores", "scaled_scores", "scores") if s in tr)
+        stage = next(
+            s for s in ("masked_scores", "biased_scores", "scaled_scores", "scores") if s in tr
+        )
         scores_ok, bound = _rounding(
-            tr, x[t], query, keys, values, logits.squeeze(-2), row(last)[..., t, :]
+            tr, x[t], query, keys, values, logits.squeeze(-2), row(stage)[..., t, :]
         )
     return QueryWalk(
-        t, tr.labels[t], query, scores, scaled, masked, weights, context, batched, bound, scores_ok
+        t,
+        tr.labels[t],
+        query,
+        scores,
+        scaled,
+        masked,
+        weights,
+        context,
+        batched,
+        bound,
+        scores_ok,
+        biased,
     )
 
 
@@ -351,10 +420,9 @@ def _rounding(
     d_k = keys.shape[-1]
     q_abs, err = query.abs(), 2 * gamma(d_k)
     if tr.module is not None:  # projected twice: |x| @ |W| (+ |bias|) bounds the query
-        w = tr.module.W_query
-        weight, bias = (w, None) if isinstance(w, nn.Parameter) else (w.weight.T, w.bias)
-        projected = token.abs() @ weight.abs() + (0 if bias is None else bias.abs())
-        q_abs, err = projected.view(query.shape), err + 2 * gamma(token.shape[-1] + 1)
+        projected, amplified = tr.module._query_bound(token)
+        q_abs = projected.view(query.shape)
+        err = err + 2 * amplified * gamma(token.shape[-1] + 1)
     size = (keys.abs() @ q_abs.unsqueeze(-1)).squeeze(-1)  # (T,) or (H, T)
     if "scaled_scores" in tr:
         size, err = size / d_k**0.5, err + 2 * eps

@@ -69,6 +69,7 @@ class _Out:
             color_system="standard" if self.color else None,
             width=max(width, 60),
             highlight=False,
+            force_jupyter=False,  # in a notebook too: a string, not display() calls
             emoji=False,
             markup=False,
         )

@@ -16,8 +16,9 @@ from collections.abc import MutableMapping
 
 import torch
 
-from .errors import AttnScopeError, check_tensor, describe
-from .stages import Stage
+from ..errors import AttnScopeError, check_tensor, describe
+from ..stages import Stage
+from .variants import sliding_window_mask
 
 __all__ = [
     "query_scores_loop",
@@ -312,10 +313,19 @@ def _check_attend(
             f"keys, values: expected the dtype of queries {describe(queries)}, got "
             f"{describe(keys)} and {describe(values)}"
         )
-    if keys.shape[:-2] != queries.shape[:-2] or keys.shape[-1] != queries.shape[-1]:
+    grouped = (
+        queries.dim() == 4
+        and keys.dim() == 4
+        and keys.shape[0] == queries.shape[0]
+        and 0 < keys.shape[1] < queries.shape[1]
+        and queries.shape[1] % keys.shape[1] == 0
+    )  # grouped key/value heads: K heads shared by H // K query heads each
+    if (keys.shape[:-2] != queries.shape[:-2] and not grouped) or keys.shape[-1] != queries.shape[
+        -1
+    ]:
         raise AttnScopeError(
             f"keys: expected the leading and feature dimensions of queries "
-            f"{tuple(queries.shape)}, got {describe(keys)}"
+            f"{tuple(queries.shape)} (or a divisor of its heads), got {describe(keys)}"
         )
     if values.shape[:-1] != keys.shape[:-1]:
         raise AttnScopeError(
@@ -349,19 +359,28 @@ def attend(
     mask: torch.Tensor | None = None,
     dropout: torch.nn.Module | None = None,
     record: Record | None = None,
+    bias: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """The explicit attention core, stage by stage, on projected queries, keys and values.
 
-    scores -> scaled_scores -> [masked_scores] -> weights -> context. The book masks before
-    scaling; scaling first is the same numbers (``-inf / c`` is ``-inf``) and matches the
-    stage order.
+    scores -> scaled_scores -> [biased_scores] -> [masked_scores] -> weights -> context.
+    The book masks before scaling; scaling first is the same numbers (``-inf / c`` is
+    ``-inf``) and matches the stage order.
 
     Args:
         queries, keys, values: ``(..., T, d_k)``; ``...`` is ``()``, ``(B,)`` or ``(B, H)``.
-        causal: hide future keys (``mask`` or :func:`causal_mask`).
+            Keys and values ``(B, K, T, d_k)`` with ``K`` dividing ``H`` are grouped heads:
+            query head h reads key/value head ``h // (H // K)``.
+        causal: hide future keys (``mask``, :func:`causal_mask`, or the ``window``).
         mask: ``(>=T, >=T)`` bool, ``True`` where hidden; cropped to ``T``.
         dropout: applied to the weights after they are recorded (identity in eval mode).
         record: when given, every stage's tensor is stored in it under its stage name.
+        bias: ``(..., T, T_k)`` added to the scaled scores (ALiBi, a learned bias).
+        window: with ``causal``, each query sees its last ``window`` keys, itself included
+            (:func:`~attnscope.functional.sliding_window_mask`).
+        scale: the factor the scores are multiplied by (default ``1 / sqrt(d_k)``).
 
     Returns:
         ``(..., T, d_v)`` context vectors.
@@ -370,31 +389,47 @@ def attend(
     values), so a mismatch is one :class:`AttnScopeError` rather than a matmul error.
     """
     _check_attend(queries, keys, values, causal, mask)
+    if window is not None and not causal:
+        raise AttnScopeError(f"window: expected causal=True with a sliding window, got {window}")
+    if keys.dim() == 4 and keys.shape[1] != queries.shape[1]:  # grouped key/value heads
+        group = queries.shape[1] // keys.shape[1]
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
     scores = queries @ keys.transpose(-2, -1)
     hide = None
     if causal:
-        t = scores.shape[-1]
-        hide = causal_mask(t, scores.device) if mask is None else mask.bool()[:t, :t]
-    masked = None
-    if record is None:
+        t_q, t = scores.shape[-2], scores.shape[-1]
+        if window is not None:
+            hide = sliding_window_mask(t_q, window, t, device=scores.device)
+        else:
+            hide = causal_mask(t, scores.device) if mask is None else mask.bool()[:t, :t]
+    factor = keys.shape[-1] ** -0.5 if scale is None else scale
+    biased = masked = None
+    if record is None and bias is None:
         # Nobody keeps the stages: scale and mask the score buffer in place (as the book's
         # masked_fill_ does). Each (T, T) buffer costs a fresh allocation and a memory pass,
-        # which dominates on long inputs; autograd is unaffected (div and masked_fill do not
+        # which dominates on long inputs; autograd is unaffected (mul and masked_fill do not
         # need their outputs for backward, matmul does not need its output).
-        scaled = scores.div_(keys.shape[-1] ** 0.5)
+        scaled = scores.mul_(factor) if scale is not None else scores.div_(keys.shape[-1] ** 0.5)
         if hide is not None:
             scaled.masked_fill_(hide, -torch.inf)
+        logits = scaled
     else:
-        scaled = scores / keys.shape[-1] ** 0.5
+        scaled = scores * factor if scale is not None else scores / keys.shape[-1] ** 0.5
+        logits = scaled
+        if bias is not None:
+            biased = logits = scaled + bias.to(scaled.dtype)
         if hide is not None:
             # Adding 0 / -inf equals masked_fill(hide, -inf) for finite scores, in one pass
             # instead of a copy and a fill: tracing long inputs stays close to forward.
-            bias = torch.zeros(hide.shape, dtype=scaled.dtype, device=scaled.device)
-            masked = scaled + bias.masked_fill_(hide, -torch.inf)
-    weights = torch.softmax(scaled if masked is None else masked, dim=-1)
+            fill = torch.zeros(hide.shape, dtype=scaled.dtype, device=scaled.device)
+            masked = logits = logits + fill.masked_fill_(hide, -torch.inf)
+    weights = torch.softmax(logits, dim=-1)
     context = (weights if dropout is None else dropout(weights)) @ values
     if record is not None:
         record.update({Stage.SCORES.value: scores, Stage.SCALED_SCORES.value: scaled})
+        if biased is not None:
+            record[Stage.BIASED_SCORES.value] = biased
         if masked is not None:
             record[Stage.MASKED_SCORES.value] = masked
         record.update({Stage.WEIGHTS.value: weights, Stage.CONTEXT.value: context})
