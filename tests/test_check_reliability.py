@@ -215,9 +215,27 @@ ROPE = """
 """
 
 
-def test_a_feature_not_modelled_yet_is_refused_with_its_line(tmp_path, capsys):
+GAIN = ROPE.replace(
+    "return t * self.cos[:n] + torch.cat([-b, a], -1) * self.sin[:n]",
+    "return t * (1 + self.sin[:n].abs())  # a position-dependent gain: no rotation",
+)
+
+
+def test_a_rotary_layer_is_read_from_its_tables(tmp_path):
+    """The rotation is read back from what the layer computed: pairing, fraction, base."""
     path = tmp_path / "rope.py"
     path.write_text(textwrap.dedent(ROPE))
-    with pytest.raises(AttnScopeError, match=r"not supported yet: rotary .* at .*rope.py:\d+"):
+    report = check(f"{path}:Rotary", kind="multihead")
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["rope"] == {"pairing": "half", "fraction": 1.0, "base": 10000.0}
+
+
+def test_a_feature_not_modelled_yet_is_refused_with_its_line(tmp_path, capsys):
+    """A position-dependent factor on the queries that is no rotation: refused, not judged."""
+    path = tmp_path / "gain.py"
+    path.write_text(textwrap.dedent(GAIN))
+    assert "no rotation" in GAIN
+    refused = r"not supported yet: .*factor on the queries at .*gain.py:\d+"
+    with pytest.raises(AttnScopeError, match=refused):
         check(f"{path}:Rotary")
     assert main(["check", f"{path}:Rotary"]) == 2

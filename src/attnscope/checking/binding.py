@@ -153,6 +153,10 @@ def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pa
     roles, shared = st.roles, st.shared
     if shared.get("k") == "q" and shared.get("v") == "q":  # one combined qkv weight
         ((w, b),) = [_cat([_intended(p) for p in roles["q"]])]
+        sizes = tuple(st.widths.get(r, 0) for r in ("q", "k", "v"))
+        if sizes[0] != sizes[1] and sum(sizes) == w.shape[1]:  # multi-query: [q | k | v]
+            cuts = [slice(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(3)]
+            return [(tuple((w[:, c], _cut(b, c)) for c in cuts), "[q|k|v]")]
         return [(tuple(parts), layout) for layout, parts in split_qkv(w, b, st.heads)]
     pairs = {r: _cat([_intended(p) for p in roles[r]]) for r in ("q", "k", "v")}
     if shared.get("v") == "k":  # a separate query weight and one combined key/value weight

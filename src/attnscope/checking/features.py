@@ -63,11 +63,6 @@ class Features:
     def find(self) -> None:
         s = self.s
         self._cross()
-        if s.heads and s.kv_heads and s.kv_heads != s.heads:
-            self._refuse(
-                f"grouped key/value heads ({s.heads} query heads, {s.kv_heads} key/value heads)",
-                s.roles["k"][0].op.location if s.roles["k"] else None,
-            )
         for core in s.cores:
             for role, node in (("queries", core.q_node), ("keys", core.k_node)):
                 self._qk_path(role, node)
@@ -109,7 +104,10 @@ class Features:
         for op in self._path(node, stops):
             name = op.name
             if name in _ROTARY_CALLS:
-                self._refuse("rotary position embedding (complex rotation)", op.location)
+                self.s.rotary.setdefault(
+                    role, ("rotary position embedding (complex rotation)", op.location)
+                )
+                continue
             if name in _NORM_CALLS:
                 self._refuse(f"a norm applied to the {role} (QK norm)", op.location)
             if name in LAYOUT_OPS or name not in (_SCALAR_OPS | {"add", "__add__", "sub"}):
@@ -126,7 +124,7 @@ class Features:
                     if rotates
                     else f"a position- or feature-dependent factor on the {role}"
                 )
-                self._refuse(what, op.location)
+                self.s.rotary.setdefault(role, (what, op.location))
 
     def _score_path(self, core: Core) -> None:
         s = self.s

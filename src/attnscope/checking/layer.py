@@ -51,6 +51,11 @@ class Structure:
     #: ops inside the layer between its input and what the projections read (a norm the
     #: layer applies first): the stages are then checked from what the projections read
     pre: list[Op] = field(default_factory=list)
+    #: "queries"/"keys" -> (what, line) where something position-dependent turns them (a
+    #: rotary embedding, read back by the probe, which refuses what is not a rotation)
+    rotary: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    #: features per role, all heads together ("q", "k", "v"), as the computation reads them
+    widths: dict[str, int] = field(default_factory=dict)
 
     @property
     def weightless(self) -> bool:

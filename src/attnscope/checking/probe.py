@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import sys
 
 import torch
 from torch import nn
@@ -34,8 +35,9 @@ from .dataflow import Graph
 from .features import Unsupported
 from .judge import Call, Judge
 from .record import Op, Recorder
-from .reference import Spec, Weights
+from .reference import Spec, Weights, project, split
 from .report import CheckReport, single_head
+from .rotary import Rope, as_heads, fit_tables, read_rope
 from .structure import (
     Structure,
     keys_named_first,
@@ -152,6 +154,7 @@ class ModuleProbe:
         self.discovery_gen = torch.Generator().manual_seed(seed + 1)
         self.entry: _Entry | None = None
         self.structure: Structure | None = None
+        self._hf_rotary: nn.Module | None = None
         self._root_inputs: dict[tuple, torch.Tensor] = {}
         self._root_width = _WEIGHTLESS_WIDTH
         self._leaf_names = {id(p): f"param:{n}" for n, p in self.module.named_parameters()}
@@ -329,12 +332,45 @@ class ModuleProbe:
         hf = type(m).__module__.startswith("transformers") and any(
             p.name == "attention_mask" for p in params
         )
+        names = [p.name for p in params]
+        if hf:  # called as its model calls it: hidden states, then keywords
+            return {
+                "qkv": False,
+                "pair": False,
+                "seq_first": False,
+                "hf": True,
+                "hf_rope": "position_embeddings" in names,
+                "hf_required": [p.name for p in required[1:]],
+            }
         return {
             "qkv": len(required) >= 3,
             "pair": len(required) == 2,
             "seq_first": seq_first,
             "hf": hf,
+            "hf_rope": False,
+            "hf_required": [],
         }
+
+    def _hf_position_embeddings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` for positions 0..n-1 from the model's own rotary class, built from
+        the layer's config, as the model computes them before calling its layers."""
+        if self._hf_rotary is None:
+            m = self.module
+            module = sys.modules[type(m).__module__]
+            stem = type(m).__name__.removesuffix("Attention").removesuffix("DecoderLayer")
+            names = [n for n in dir(module) if n.endswith("RotaryEmbedding")]
+            names.sort(key=lambda n: n != f"{stem}RotaryEmbedding")
+            config = getattr(m, "config", None)
+            if not names or config is None:
+                raise AttnScopeError(
+                    f"{self.tgt.text}: takes position_embeddings, and no rotary embedding class "
+                    "and config were found to make them"
+                )
+            self._hf_rotary = getattr(module, names[0])(config=config)
+        b, n = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
+        positions = torch.arange(n).unsqueeze(0).expand(b, n)
+        cos, sin = self._hf_rotary(x if x.dim() == 3 else x.unsqueeze(0), positions)
+        return (cos, sin) if x.dim() == 3 else (cos[0], sin[0])
 
     def _invoke(self, x32: torch.Tensor, causal_hint: bool = False):
         if self.entry is not None:
@@ -349,7 +385,9 @@ class ModuleProbe:
         batched = x32.dim() == 3
         if a["seq_first"] and batched:
             inp = x32.transpose(0, 1)
-        kwargs = {}
+        kwargs: dict = {name: None for name in a["hf_required"]}
+        if a["hf_rope"]:
+            kwargs["position_embeddings"] = self._hf_position_embeddings(x32)
         if a["hf"] and causal_hint:
             n = x32.shape[-2]
             mask = torch.zeros(n, n).masked_fill(
@@ -611,9 +649,82 @@ class ModuleProbe:
             )
         else:
             heads = [1]
-        return [
-            (w, Spec(self.kind, b.d_in, b.d_out, h, b.has_out)) for h in heads for w in b.candidates
-        ]
+        out = []
+        for h in heads:
+            for w in b.candidates:
+                hd = b.d_out // h
+                k_width = w.k.shape[1]
+                if k_width != b.d_out and (k_width % hd or h % (k_width // hd)):
+                    continue  # keys of another width: grouped heads only if they divide
+                kv = k_width // hd if k_width != b.d_out else None
+                spec = Spec(self.kind, b.d_in, b.d_out, h, b.has_out, kv_heads=kv)
+                out.append((w, spec))
+        if not out:
+            raise AttnScopeError(
+                f"{self.tgt.text}: its keys and values are {b.candidates[0].k.shape[1]} wide "
+                f"and its queries {b.d_out}: expected the same width, or grouped heads "
+                "(key/value heads dividing the query heads)"
+            )
+        return self._with_rope(out)
+
+    def _with_rope(self, options: list[tuple[Weights, Spec]]) -> list[tuple[Weights, Spec]]:
+        """The readings whose rotary embedding the computation confirms (see
+        :mod:`.rotary`), each with it; a turn no reading explains as a rotation is refused."""
+        st = self.structure
+        if st is None or not st.rotary:
+            return options
+        kept = []
+        for w, spec in options:
+            rope = self._read_rope(spec, w)
+            if rope is not None:
+                kept.append((w, dataclasses.replace(spec, rope=rope)))
+        if not kept:
+            what, where = next(iter(st.rotary.values()))
+            raise Unsupported(f"not supported yet: {what}" + (f" at {where}" if where else ""))
+        rope = kept[0][1].rope
+        hd = kept[0][1].head_dim
+        self.notes.append(
+            f"rotary position embedding read from the computation: {rope.pairing} pairing, "
+            f"{rope.rot} of {hd} features per head"
+            + (f", base {rope.base:g}" if rope.base else ", the layer's own frequencies")
+        )
+        return kept
+
+    def _read_rope(self, spec: Spec, w: Weights) -> Rope | None:
+        """The rotation between this reading's projected heads and what the scores were made
+        from, in the batched call; None when it is no rotation."""
+        call = next((c for c in self.calls if c.batched), self.calls[0])
+        try:
+            st = read_structure(call.record, self.module)
+            q, k, _ = project(call.x, spec, w)
+        except (AttnScopeError, RuntimeError):
+            return None
+        core = st.cores[0]
+        b, n = call.x.shape[:2]
+        hd = spec.head_dim
+        tables = {}
+        for role, node, ref in (
+            ("q", core.q_node, split(q, spec.num_heads)),
+            ("k", core.k_node, split(k, spec.kv)),
+        ):
+            user = call.record.ops[node].output.detach().to(torch.float64)
+            refs = [ref]
+            if ref.shape[1] != spec.num_heads:  # keys repeated for the query heads first
+                g = spec.num_heads // ref.shape[1]
+                refs += [ref.repeat_interleave(g, dim=1), ref.repeat(1, g, 1, 1)]
+            found = next(
+                (
+                    t
+                    for r in refs
+                    for form in as_heads(user, b, r.shape[1], n, hd)
+                    if (t := fit_tables(r, form)) is not None
+                ),
+                None,
+            )
+            if found is None:
+                return None
+            tables[role] = found
+        return read_rope(tables["q"], tables["k"], hd)
 
     # ------------------------------------------------------------------ judging
     def _short_probe(self) -> list[Call] | None:
@@ -662,14 +773,16 @@ class ModuleProbe:
         causal = self.kind.causal
         if not spec.multihead:
             return single_head(spec.d_out, causal)
-        st = self.structure
-        kv = st.kv_heads if st is not None and st.kv_heads else spec.num_heads
         return {
             "heads": spec.num_heads,
-            "kv_heads": kv,
+            "kv_heads": spec.kv,
             "head_dim": spec.head_dim,
             "causal": causal,
             "cross": False,
+            "rope": None if spec.rope is None else spec.rope.describe(),
+            "qk_norm": None,
+            "window": None,
+            "bias": None,
         }
 
     def _judge(self, options: list[tuple[Weights | None, Spec]]) -> CheckReport:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..stages import Kind, Stage
+from .rotary import Rope
 
 __all__ = ["Spec", "Weights", "Mutation", "pipeline", "project", "split", "merge", "causal_hide"]
 
@@ -28,7 +29,9 @@ class Spec:
     """What the reference computes: the kind and the sizes.
 
     ``num_heads`` is 1 for single-head kinds; ``has_out`` says whether an output
-    projection follows the merged heads.
+    projection follows the merged heads. ``kv_heads`` (grouped heads: keys and values have
+    fewer, query head h reading kv head ``h // (num_heads // kv_heads)``) and ``rope`` (the
+    rotary embedding read from the layer, :class:`.rotary.Rope`) are what modern layers add.
     """
 
     kind: Kind
@@ -36,6 +39,8 @@ class Spec:
     d_out: int
     num_heads: int = 1
     has_out: bool = False
+    kv_heads: int | None = None
+    rope: Rope | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind.of(self.kind))
@@ -55,6 +60,16 @@ class Spec:
     @property
     def head_dim(self) -> int:
         return self.d_out // self.num_heads
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads: ``kv_heads``, or one per query head."""
+        return self.kv_heads or self.num_heads
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.kv
 
     @property
     def scale(self) -> float:
@@ -124,6 +139,11 @@ class Mutation:
     context: Callable[[T, T], T] | None = None
     merge: Callable[[T], T] | None = None
     skip_out: bool = False
+    # modern layers: the rotation of queries and keys ((role, heads) -> rotated), the
+    # values rotated too, and how key/value heads reach the query heads
+    rotate: Callable[[str, T], T] | None = None
+    rotate_values: bool = False
+    expand_kv: Callable[[T, int], T] | None = None
     replace: dict[str, T] = field(default_factory=dict)  # stage name -> the user's tensor
     user_dim: int | None = None  # softmax over this axis of the user's own layout
     facts: dict = field(default_factory=dict)
@@ -180,14 +200,28 @@ def _heads(x: T, spec: Spec, w: Weights | None, mut: Mutation, proj, sub) -> dic
     if mut.swap_batch:  # (B, T, D) read as (T, B, D): each position attends across the batch
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     cut = mut.split or split
-    qh, kh, vh = (cut(t, spec.num_heads) for t in (q, k, v))
+    qh, kh, vh = cut(q, spec.num_heads), cut(k, spec.kv), cut(v, spec.kv)
+    if mut.rotate_values and spec.rope is not None:
+        vh = spec.rope.rotate(vh)
     qh, kh, vh = sub.get("queries", qh), sub.get("keys", kh), sub.get("values", vh)
-    return {"queries": qh, "keys": kh, "values": vh}
+    out = {"queries": qh, "keys": kh, "values": vh}
+    if spec.rope is not None:
+        turn = mut.rotate or (lambda role, t: spec.rope.rotate(t))
+        out["rotated_queries"] = sub.get("rotated_queries", turn("q", qh))
+        out["rotated_keys"] = sub.get("rotated_keys", turn("k", kh))
+    return out
+
+
+def expand_kv(t: T, group: int) -> T:
+    """``(B, K, T, D) -> (B, K * group, T, D)``: kv head k serves query heads k*group.."""
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
 def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows) -> dict:
     """Scores, scaled scores, masked scores (causal kinds) and weights: ``(B, H, T, T)``."""
-    qh, kh = st["queries"], st["keys"]
+    qh = st.get("rotated_queries", st["queries"])
+    kh = st.get("rotated_keys", st["keys"])
+    kh = (mut.expand_kv or expand_kv)(kh, spec.group)
     if mut.flatten_batch:  # the batch folded into the tokens: every sequence sees all others
         qh, kh = (_fold_batch(t) for t in (qh, kh))
     scores = sub.get("scores", mut.scores(qh, kh) if mut.scores else qh @ kh.transpose(-2, -1))
@@ -219,11 +253,13 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
 
 def _output(st: dict[str, T], spec: Spec, w: Weights | None, mut: Mutation, sub) -> dict:
     """Context ``(B, H, T, hd)``, then the heads merged and projected: ``(B, T, d)``."""
-    vh = _fold_batch(st["values"]) if mut.flatten_batch else st["values"]
+    vh = (mut.expand_kv or expand_kv)(st["values"], spec.group)
+    vh = _fold_batch(vh) if mut.flatten_batch else vh
     weights = st["weights"]
     context = sub.get("context", mut.context(weights, vh) if mut.context else weights @ vh)
     if mut.flatten_batch:
-        b, h, n = st["values"].shape[:3]
+        b, n = st["values"].shape[0], st["values"].shape[2]
+        h = vh.shape[1]
         context = context.reshape(h, b, n, -1).transpose(0, 1)
     out = mut.merge(context) if mut.merge else merge(context)
     if spec.has_out and not mut.skip_out:

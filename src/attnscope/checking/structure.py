@@ -333,6 +333,7 @@ class _Reader:
             kv_heads=kv_heads,
             head_dim=head_dim,
             cores=cores,
+            widths=widths,
         )
         s.pre = self._pre(s)
         Features(self.g, s).find()

@@ -25,7 +25,7 @@ from ...stages import Stage
 from ..reference import Mutation
 
 # each module attaches the behaviour of the codes of its part of the pipeline
-from . import masks, output, projections, scores, weights  # noqa: F401
+from . import masks, modern, output, projections, scores, weights  # noqa: F401
 from .base import MISTAKES, Context, Evidence, Mistake, define
 
 __all__ = [

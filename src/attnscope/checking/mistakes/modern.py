@@ -1,0 +1,136 @@
+"""Mistakes of modern attention: rotary embeddings and grouped key/value heads.
+
+The rotation is the reference's :class:`..rotary.Rope` (the layer's own pairing and
+frequencies, read from its computation); each mutation changes one thing about how it is
+applied. Grouped heads: query head h must read key/value head ``h // group``.
+"""
+
+from __future__ import annotations
+
+from ...stages import Stage
+from ..reference import Mutation
+from .base import Context, define
+
+_OTHER = {"half": "interleaved", "interleaved": "half"}
+
+
+def _rope_expected(spec) -> str:
+    r = spec.rope
+    if r is None:
+        return ""
+    return (
+        f"expected queries and keys rotated alike ({r.pairing} pairing, {r.rot} of "
+        f"{r.head_dim} features per head) at positions 0..n-1"
+    )
+
+
+@define("rope_missing", expected=_rope_expected)
+def _rope_missing(c: Context) -> list[Mutation]:
+    if c.spec.rope is None:
+        return []
+    rope = c.spec.rope
+    return [
+        Mutation(
+            "rope_missing",
+            Stage.ROTATED_QUERIES,
+            "the queries not rotated (the keys are)",
+            rotate=lambda role, t: t if role == "q" else rope.rotate(t),
+        ),
+        Mutation(
+            "rope_missing",
+            Stage.ROTATED_KEYS,
+            "the keys not rotated (the queries are)",
+            rotate=lambda role, t: t if role == "k" else rope.rotate(t),
+        ),
+    ]
+
+
+@define("rope_pairing", expected=_rope_expected)
+def _rope_pairing(c: Context) -> list[Mutation]:
+    rope = c.spec.rope
+    if rope is None:
+        return []
+    other = _OTHER[rope.pairing]
+    label = (
+        f"cos/sin tables laid out for the {rope.pairing} pairing, applied with the {other} "
+        "pairing's rotation"
+    )
+    out = [
+        Mutation(
+            "rope_pairing",
+            Stage.ROTATED_QUERIES,
+            label,
+            rotate=lambda role, t: rope.rotate(t, pairing=other),
+        ),
+    ]
+    for role, stage in (("q", Stage.ROTATED_QUERIES), ("k", Stage.ROTATED_KEYS)):
+        side = "queries" if role == "q" else "keys"
+        out.append(
+            Mutation(
+                "rope_pairing",
+                stage,
+                f"{label}, on the {side} only",
+                rotate=lambda r, t, role=role: rope.rotate(t, pairing=other if r == role else None),
+            )
+        )
+    return out
+
+
+@define("rope_positions", expected=_rope_expected)
+def _rope_positions(c: Context) -> list[Mutation]:
+    rope = c.spec.rope
+    if rope is None:
+        return []
+    out = []
+    for role, stage, side in (
+        ("q", Stage.ROTATED_QUERIES, "queries"),
+        ("k", Stage.ROTATED_KEYS, "keys"),
+    ):
+        for shift, where in ((1, "one ahead of"), (-1, "one behind")):
+            out.append(
+                Mutation(
+                    "rope_positions",
+                    stage,
+                    f"the {side} rotated for positions {where} the other side's",
+                    rotate=lambda r, t, role=role, shift=shift: rope.rotate(
+                        t, offset=shift if r == role else 0
+                    ),
+                )
+            )
+    out.append(
+        Mutation(
+            "rope_positions",
+            Stage.ROTATED_QUERIES,
+            "positions counted backwards (n-1..0)",
+            rotate=lambda r, t: rope.rotate(t.flip(-2)).flip(-2),
+        )
+    )
+    return out
+
+
+@define("rope_on_values", expected="expected the values left unrotated: only queries and keys turn")
+def _rope_on_values(c: Context) -> list[Mutation]:
+    if c.spec.rope is None:
+        return []
+    return [Mutation("rope_on_values", Stage.VALUES, "the values rotated too", rotate_values=True)]
+
+
+@define(
+    "kv_group_mapping",
+    expected=lambda spec: (
+        f"expected query head h to read key/value head h // {spec.group} "
+        "(repeat_interleave, or expand then reshape)"
+    ),
+)
+def _kv_group_mapping(c: Context) -> list[Mutation]:
+    s = c.spec
+    if s.kv >= s.num_heads or s.kv <= 1:
+        return []
+    return [
+        Mutation(
+            "kv_group_mapping",
+            Stage.SCORES,
+            f"query head h reading key/value head h % {s.kv} (repeat, not repeat_interleave)",
+            expand_kv=lambda t, g: t.repeat(1, g, 1, 1),
+        )
+    ]

@@ -1,0 +1,264 @@
+"""Rotary position embeddings, read back from what the layer computed.
+
+A rotation is linear in each feature: whatever code made it (``rotate_half`` and cos/sin
+tables, complex multiplication, interleaved stacking, a partial rotation), the rotated
+queries are ``q * C + pair(q) * S`` for some tables ``C``, ``S`` ``(T, D)``, where
+``pair`` is ``rotate_half`` (``half``) or the interleaved swap. Given the projected heads
+(the reference computes them from the layer's weights) and the tensor the scores were made
+from, :func:`fit_tables` finds the pairing and the tables by least squares over the batch
+and heads; :func:`read_rope` turns them into what the reference needs: the pairing, the
+rotated width and the layer's own frequencies, and where each side's positions start.
+Nothing is taken from names.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..functional import apply_rope, rope_angles
+
+__all__ = ["Rope", "Tables", "fit_tables", "read_rope", "as_heads", "pair_rotate"]
+
+T = torch.Tensor
+_FIT = 1e-5  # relative residual of an exact fit (float32 code against a float64 reference)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The reference's rotary embedding: rotate the first ``rot`` features of each head,
+    paired as ``pairing``, pair i by ``position * inv_freq[i]``."""
+
+    pairing: str
+    inv_freq: tuple[float, ...]
+    head_dim: int
+
+    @property
+    def rot(self) -> int:
+        return 2 * len(self.inv_freq)
+
+    @property
+    def fraction(self) -> float:
+        return self.rot / self.head_dim
+
+    @property
+    def base(self) -> float | None:
+        """The base of geometric frequencies ``base ** (-2i / rot)``, or None."""
+        f = self.inv_freq
+        if len(f) < 2 or min(f) <= 0:
+            return None
+        # log f_i = -(2i / rot) log base: least squares over every pair, float32 tables
+        xs = [2 * i / self.rot for i in range(len(f))]
+        log_base = -sum(x * math.log(v) for x, v in zip(xs, f, strict=True)) / sum(
+            x * x for x in xs
+        )
+        base = math.exp(log_base)
+        want = [base ** (-x) for x in xs]
+        if not all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(f, want, strict=True)):
+            return None
+        return float(f"{base:.4g}")
+
+    def rotate(self, t: T, offset: int = 0, pairing: str | None = None) -> T:
+        """``(..., T, D)`` rotated for positions ``offset..``; ``pairing`` overrides the
+        rotation's pairing (the tables stay laid out for :attr:`pairing`)."""
+        freqs = torch.tensor(self.inv_freq, dtype=torch.float64)
+        n = t.shape[-2]
+        positions = torch.arange(offset, offset + n, dtype=torch.float64)  # offset may be < 0
+        angles = rope_angles(n, freqs, positions=positions)
+        if pairing is None or pairing == self.pairing:
+            return apply_rope(t, angles, self.pairing)
+        return _mismatched(t, angles, self.pairing)
+
+    def describe(self) -> dict:
+        return {"pairing": self.pairing, "fraction": round(self.fraction, 6), "base": self.base}
+
+
+def _mismatched(t: T, angles: T, layout: str) -> T:
+    """Tables laid out for ``layout``, applied with the other pairing's rotation: the bug
+    where cos/sin built for one convention meet ``rotate_half`` of the other."""
+    rot = 2 * angles.shape[1]
+    if layout == "half":  # [c0..c_{n-1}, c0..c_{n-1}]
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        other = "interleaved"
+    else:  # [c0, c0, c1, c1, ...]
+        cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+        other = "half"
+    part, rest = t[..., :rot], t[..., rot:]
+    out = part * cos + pair_rotate(part, other) * sin
+    return torch.cat([out, rest], dim=-1)
+
+
+def pair_rotate(t: T, pairing: str) -> T:
+    """``rotate_half`` (``(-x2, x1)``) or the interleaved swap (``(-x1, x0, -x3, x2, ...)``)."""
+    if pairing == "half":
+        h = t.shape[-1] // 2
+        return torch.cat([-t[..., h:], t[..., :h]], dim=-1)
+    even, odd = t[..., 0::2], t[..., 1::2]
+    return torch.stack([-odd, even], dim=-1).flatten(-2)
+
+
+def as_heads(u: T, b: int, h: int, n: int, d: int) -> list[T]:
+    """``u`` read as ``(B, H, T, D)`` in every layout the scores' operand may have."""
+    out = []
+    if u.dim() == 4:
+        for perm in itertools.permutations(range(4)):
+            if tuple(u.shape[i] for i in perm) == (b, h, n, d):
+                out.append(u.permute(perm))
+    elif u.dim() == 3:
+        if tuple(u.shape) == (b * h, n, d):
+            out += [u.reshape(b, h, n, d), u.reshape(h, b, n, d).transpose(0, 1)]
+        if tuple(u.shape) == (b, n, h * d):
+            out.append(u.reshape(b, n, h, d).transpose(1, 2))
+    return out
+
+
+@dataclass
+class Tables:
+    """What :func:`fit_tables` found: ``out = p * cos + pair(p) * sin`` on the first
+    ``rot`` features (the rest ``p`` times ``scale``)."""
+
+    pairing: str
+    rot: int
+    cos: T  # (T, rot)
+    sin: T  # (T, rot)
+    scale: float  # a factor folded into the operand (1 when none)
+
+    def is_rotation(self) -> bool:
+        """Partners share their angle and every pair keeps its length."""
+        c, s = self.cos / self.scale, self.sin / self.scale
+        idx = _partner(self.rot, self.pairing)
+        same = torch.allclose(c, c[:, idx], atol=1e-4) and torch.allclose(s, s[:, idx], atol=1e-4)
+        return same and torch.allclose(c * c + s * s, torch.ones_like(c), atol=1e-3)
+
+    def laid_out_for(self) -> str | None:
+        """The pairing whose layout the tables have (``[a, a]`` halves or ``a0 a0 a1 a1``)."""
+        c = self.cos / self.scale
+        for pairing in ("half", "interleaved"):
+            if torch.allclose(c, c[:, _partner(self.rot, pairing)], atol=1e-4):
+                return pairing
+        return None
+
+    def angles(self, layout: str) -> T:
+        """``(T, rot/2)`` the angle of every pair, reading the tables in ``layout``."""
+        c, s = self.cos / self.scale, self.sin / self.scale
+        first = torch.arange(self.rot // 2) if layout == "half" else torch.arange(0, self.rot, 2)
+        return torch.atan2(s[:, first], c[:, first])
+
+
+def _partner(rot: int, pairing: str) -> T:
+    idx = torch.arange(rot)
+    if pairing == "half":
+        return (idx + rot // 2) % rot
+    return idx ^ 1
+
+
+def _solve(p: T, r: T, u: T) -> tuple[T, T, float]:
+    """Per (token, feature): the ``cos``, ``sin`` of ``u = p*cos + r*sin`` over the batch and
+    heads, and the worst relative residual."""
+    dims = (0, 1)
+    pp, rr, pr = (p * p).sum(dims), (r * r).sum(dims), (p * r).sum(dims)
+    pu, ru = (p * u).sum(dims), (r * u).sum(dims)
+    det = pp * rr - pr * pr
+    ok = det.abs() > 1e-12 * (pp * rr).clamp_min(1e-300)
+    det = torch.where(ok, det, torch.ones_like(det))
+    cos = torch.where(ok, (pu * rr - ru * pr) / det, pu / pp.clamp_min(1e-300))
+    sin = torch.where(ok, (pp * ru - pr * pu) / det, torch.zeros_like(pu))
+    fit = p * cos + r * sin
+    resid = (fit - u).abs().amax().item() / max(u.abs().amax().item(), 1e-12)
+    return cos, sin, resid
+
+
+def fit_tables(p: T, u: T) -> Tables | None:
+    """The rotation that takes the projected heads ``p`` to the operand ``u`` (both
+    ``(B, H, T, D)``, float64), or None when none fits (something else happened between).
+
+    Returns identity tables (``sin`` 0) when ``u`` is ``p`` unrotated (times a factor).
+    """
+    d = p.shape[-1]
+    big = u.abs().amax().item()
+
+    def factor_of(sl: slice) -> float | None:
+        """The factor by which ``u`` is ``p`` on these features, or None."""
+        pp = (p[..., sl] ** 2).sum().item()
+        if pp == 0:
+            return None
+        c = (p[..., sl] * u[..., sl]).sum().item() / pp
+        ok = (u[..., sl] - c * p[..., sl]).abs().amax().item() <= _FIT * max(big, 1e-12)
+        return c if ok and c > 0 else None
+
+    whole = factor_of(slice(None))
+    if whole is not None:  # not rotated (times a factor: a scale folded in)
+        ones = torch.full((p.shape[-2], d), whole, dtype=p.dtype)
+        return Tables("half", d, ones, torch.zeros_like(ones), whole)
+    # the trailing features passed through unrotated (a partial rotation)
+    rot, tail = d, factor_of(slice(d - 2, d))
+    while tail is not None and rot > 2:
+        c = factor_of(slice(rot - 2, rot))
+        if c is None or abs(c - tail) > 1e-3 * tail:
+            break
+        rot -= 2
+    best = None
+    for pairing in ("half", "interleaved"):
+        cos, sin, resid = _solve(p[..., :rot], pair_rotate(p[..., :rot], pairing), u[..., :rot])
+        if resid <= 1e-4 and (best is None or resid < best[0]):
+            best = (resid, pairing, cos, sin)
+    if best is None:
+        return None
+    _, pairing, cos, sin = best
+    if bool((sin.abs() <= 1e-6 * cos.abs().amax()).all()):
+        return None  # a factor that varies by position or feature, not a rotation
+    scale = tail if rot < d else torch.sqrt(cos * cos + sin * sin).median().item()
+    return Tables(pairing, rot, cos, sin, scale)
+
+
+@dataclass
+class SideReading:
+    """One side's rotation: its tables, whether it rotates, and where its positions start."""
+
+    tables: Tables
+    rotated: bool
+    offset: float | None = None  # the first position (0 for 0..n-1)
+    linear: bool = True  # angles grow by the same step from one position to the next
+
+
+def read_side(tables: Tables, layout: str) -> tuple[SideReading, T | None]:
+    """The side's positions and frequencies from its tables (read in ``layout``)."""
+    rotated = not bool((tables.sin.abs() < 1e-9).all())
+    if not rotated:
+        return SideReading(tables, False), None
+    ang = tables.angles(layout).to(torch.float64)  # (T, rot/2)
+    n = ang.shape[0]
+    if n < 2:
+        return SideReading(tables, True, None, False), None
+    step = torch.remainder(ang[1:] - ang[:-1] + math.pi, 2 * math.pi) - math.pi  # (T-1, r/2)
+    freqs = step.median(0).values
+    linear = bool((step - freqs).abs().amax() < 1e-3)
+    offset = None
+    if linear and freqs[0].abs() > 1e-6:
+        start = torch.remainder(ang[0, 0] + math.pi, 2 * math.pi) - math.pi
+        offset = round((start / freqs[0]).item(), 3)
+    return SideReading(tables, True, offset, linear), freqs
+
+
+def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -> Rope | None:
+    """The reference rotation from the two sides' tables, or None when neither rotates.
+
+    The frequencies come from the side that is a proper rotation (both, as a rule); the
+    tables' own layout gives the pairing (a layout applied with the other pairing is the
+    mistake ``rope_pairing``, which the judge then reproduces)."""
+    sides = [t for t in (q_tables, k_tables) if t is not None]
+    rotated = [t for t in sides if not bool((t.sin.abs() < 1e-9).all())]
+    if not rotated:
+        return None
+    proper = [t for t in rotated if t.is_rotation()]
+    pick = proper[0] if proper else rotated[0]
+    layout = pick.pairing if pick.is_rotation() else pick.laid_out_for()
+    if layout is None:
+        return None
+    _, freqs = read_side(pick, layout)
+    if freqs is None:
+        return None
+    return Rope(layout, tuple(float(f) for f in freqs), head_dim)
