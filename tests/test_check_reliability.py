@@ -121,6 +121,10 @@ def test_json_report_says_the_structure_read(tmp_path, capsys, report_schema):
         "head_dim": 12,
         "causal": False,
         "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
     }
 
 

@@ -59,6 +59,7 @@ class Features:
 
     def __init__(self, g: Graph, s: Structure):
         self.s, self.g, self.ops = s, g, g.ops
+        self.window_seen = 0  # the window of the last band-shaped mask judged
 
     def find(self) -> None:
         s = self.s
@@ -148,7 +149,8 @@ class Features:
             if kind == "bias":
                 self._refuse(detail, op.location)
             if kind == "window":
-                self._refuse(f"a sliding-window mask ({detail})", op.location)
+                s.window = (self.window_seen, op.location)
+                detail = f"a sliding-window mask ({detail})"
             if s.causal is None:
                 s.causal = f"{detail} at {op.location}"
 
@@ -216,6 +218,7 @@ class Features:
             return None
         kind, d = shape
         if kind == "window":
+            self.window_seen = d
             return ("window", f"each query sees {d} keys, itself included")
         return ("mask", f"a triangular mask ({how})")
 
@@ -239,5 +242,6 @@ class Features:
             if found is not None:
                 kind, detail = found
                 if kind == "window":
-                    self._refuse(f"a sliding-window mask ({detail})", op.location)
+                    self.s.window = (self.window_seen, op.location)
+                    detail = f"a sliding-window mask ({detail})"
                 self.s.causal = self.s.causal or f"{detail} at {op.location}"

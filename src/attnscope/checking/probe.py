@@ -51,6 +51,8 @@ __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
 
 BATCH = 2
 _WEIGHTLESS_WIDTH = 5  # d_in for a module without weights (simplified attention)
+#: where layers and configs declare a sliding window (Mistral, Qwen 2, Gemma 2, Phi-3, ...)
+_WINDOW_NAMES = ("sliding_window", "sliding_window_size", "window_size", "attention_window")
 
 
 def first_tensor(result: object) -> object:
@@ -390,9 +392,11 @@ class ModuleProbe:
             kwargs["position_embeddings"] = self._hf_position_embeddings(x32)
         if a["hf"] and causal_hint:
             n = x32.shape[-2]
-            mask = torch.zeros(n, n).masked_fill(
-                torch.ones(n, n, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min
-            )
+            hide = torch.ones(n, n, dtype=torch.bool).triu(1)
+            window = self._declared_window()
+            if window is not None:  # the model's own mask for a sliding-window layer
+                hide = hide | torch.ones(n, n, dtype=torch.bool).tril(-window)
+            mask = torch.zeros(n, n).masked_fill(hide, torch.finfo(torch.float32).min)
             kwargs["attention_mask"] = mask.expand(x32.shape[0] if batched else 1, 1, n, n)
         if a["qkv"]:
             args = (inp, inp, inp)
@@ -601,6 +605,31 @@ class ModuleProbe:
             reasons.append(f"one head ({binding.source})")
         return kind, "; ".join(reasons)
 
+    def _window(self) -> int | None:
+        """The sliding window the reference holds the layer to: the one its (or its
+        model's) configuration declares, else the one its mask shows; causal kinds only."""
+        if not self.kind.causal:
+            return None
+        declared = self._declared_window()
+        if declared is not None:
+            return declared
+        st = self.structure
+        return st.window[0] if st is not None and st.window is not None else None
+
+    def _declared_window(self) -> int | None:
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in (
+            m,
+            getattr(m, "config", None),
+            self.module,
+            getattr(self.module, "config", None),
+        ):
+            for attr in _WINDOW_NAMES:
+                v = getattr(holder, attr, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+        return None
+
     def _declared_causal(self) -> str | None:
         """A causal layer whose computation shows no mask: it says so in a flag, or holds a
         triangular mask it never applies (the check then names the missing mask)."""
@@ -657,7 +686,9 @@ class ModuleProbe:
                 if k_width != b.d_out and (k_width % hd or h % (k_width // hd)):
                     continue  # keys of another width: grouped heads only if they divide
                 kv = k_width // hd if k_width != b.d_out else None
-                spec = Spec(self.kind, b.d_in, b.d_out, h, b.has_out, kv_heads=kv)
+                spec = Spec(
+                    self.kind, b.d_in, b.d_out, h, b.has_out, kv_heads=kv, window=self._window()
+                )
                 out.append((w, spec))
         if not out:
             raise AttnScopeError(
@@ -770,20 +801,16 @@ class ModuleProbe:
 
     def _structure_report(self, spec: Spec) -> dict:
         """What was read from the computation, for the report's ``structure``."""
-        causal = self.kind.causal
-        if not spec.multihead:
-            return single_head(spec.d_out, causal)
-        return {
-            "heads": spec.num_heads,
-            "kv_heads": spec.kv,
-            "head_dim": spec.head_dim,
-            "causal": causal,
-            "cross": False,
-            "rope": None if spec.rope is None else spec.rope.describe(),
-            "qk_norm": None,
-            "window": None,
-            "bias": None,
-        }
+        out = single_head(spec.d_out, self.kind.causal)
+        if spec.multihead:
+            out.update(heads=spec.num_heads, kv_heads=spec.kv, head_dim=spec.head_dim)
+        out.update(
+            rope=None if spec.rope is None else spec.rope.describe(),
+            qk_norm=None,
+            window=spec.window,
+            bias=None,
+        )
+        return out
 
     def _judge(self, options: list[tuple[Weights | None, Spec]]) -> CheckReport:
         judge = Judge(

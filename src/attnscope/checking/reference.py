@@ -19,7 +19,17 @@ import torch
 from ..stages import Kind, Stage
 from .rotary import Rope
 
-__all__ = ["Spec", "Weights", "Mutation", "pipeline", "project", "split", "merge", "causal_hide"]
+__all__ = [
+    "Spec",
+    "Weights",
+    "Mutation",
+    "pipeline",
+    "project",
+    "split",
+    "merge",
+    "causal_hide",
+    "window_hide",
+]
 
 T = torch.Tensor
 
@@ -41,6 +51,7 @@ class Spec:
     has_out: bool = False
     kv_heads: int | None = None
     rope: Rope | None = None
+    window: int | None = None  # causal kinds: each query sees its last `window` keys
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind.of(self.kind))
@@ -109,6 +120,13 @@ def merge(t: T) -> T:
     """``(B, H, T, hd) -> (B, T, H*hd)``."""
     b, h, n, hd = t.shape
     return t.transpose(1, 2).reshape(b, n, h * hd)
+
+
+@functools.lru_cache(maxsize=64)
+def window_hide(n: int, window: int) -> T:
+    """``(n, n)`` bool: the future, and keys ``window`` or more behind the query."""
+    ones = torch.ones(n, n, dtype=torch.bool)
+    return ones.triu(1) | ones.tril(-window)
 
 
 @functools.lru_cache(maxsize=64)
@@ -229,11 +247,12 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
     scaled = logits = sub.get("scaled_scores", scaled)
     masked = None
     if spec.causal:
-        hide = (
-            (lambda s: s.masked_fill(causal_hide(s.shape[-1]), -torch.inf))
-            if not mut.mask
-            else mut.mask
-        )
+        if mut.mask:
+            hide = mut.mask
+        elif spec.window is not None:
+            hide = lambda s: s.masked_fill(window_hide(s.shape[-1], spec.window), -torch.inf)  # noqa: E731
+        else:
+            hide = lambda s: s.masked_fill(causal_hide(s.shape[-1]), -torch.inf)  # noqa: E731
         logits = masked = sub.get("masked_scores", hide(scaled))
     if mut.user_dim is not None:
         # the user's axis numbers count the user's layout: (B,) (H,) T_q, T_k

@@ -6,11 +6,18 @@ import torch
 
 from ...stages import Stage
 from ..compare import close
-from ..reference import Mutation, causal_hide
+from ..reference import Mutation, causal_hide, window_hide
 from .base import Context, Evidence, define
 
 T = torch.Tensor
 _M = Stage.MASKED_SCORES
+
+
+def _hidden(c: Context, n: int, diagonal: int = 1) -> T:
+    """What the layer's mask hides, with the causal diagonal at ``diagonal``: the future,
+    and what a declared sliding window hides as well (the window is judged on its own)."""
+    hide = causal_hide(n, diagonal)
+    return hide if c.spec.window is None else hide | window_hide(n, c.spec.window)
 
 
 def _masked(ev: Evidence) -> tuple[T, T, T] | None:
@@ -68,7 +75,7 @@ def _mask_diagonal(c: Context) -> list[Mutation]:
                     "mask_diagonal",
                     _M,
                     label,
-                    mask=lambda s, d=d, f=fill: s.masked_fill(causal_hide(s.shape[-1], d), f),
+                    mask=lambda s, d=d, f=fill: s.masked_fill(_hidden(c, s.shape[-1], d), f),
                 )
             )
     for d, label in ((0, "the mask hides the past (tril)"), (-1, "the mask hides the past")):
@@ -112,7 +119,7 @@ def _mask_fill_value(c: Context) -> list[Mutation]:
             "mask_fill_value",
             _M,
             f"masked scores filled with {text}",
-            mask=lambda s, v=value: s.masked_fill(causal_hide(s.shape[-1]), v),
+            mask=lambda s, v=value: s.masked_fill(_hidden(c, s.shape[-1]), v),
             facts={"fill": value, "name": text},
         )
         for value, text in fills

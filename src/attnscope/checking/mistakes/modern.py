@@ -1,4 +1,4 @@
-"""Mistakes of modern attention: rotary embeddings and grouped key/value heads.
+"""Mistakes of modern attention: rotary embeddings, grouped key/value heads, windows.
 
 The rotation is the reference's :class:`..rotary.Rope` (the layer's own pairing and
 frequencies, read from its computation); each mutation changes one thing about how it is
@@ -7,8 +7,10 @@ applied. Grouped heads: query head h must read key/value head ``h // group``.
 
 from __future__ import annotations
 
+import torch
+
 from ...stages import Stage
-from ..reference import Mutation
+from ..reference import Mutation, causal_hide, window_hide
 from .base import Context, define
 
 _OTHER = {"half": "interleaved", "interleaved": "half"}
@@ -134,3 +136,49 @@ def _kv_group_mapping(c: Context) -> list[Mutation]:
             expand_kv=lambda t, g: t.repeat(1, g, 1, 1),
         )
     ]
+
+
+def _window_expected(spec) -> str:
+    w = spec.window
+    return (
+        f"expected each query to see its last {w} keys, itself included (the declared "
+        f"sliding window), and no key after it"
+        if w
+        else ""
+    )
+
+
+@define("window_missing", expected=_window_expected)
+def _window_missing(c: Context) -> list[Mutation]:
+    w = c.spec.window
+    if not w or w >= c.tokens:
+        return []  # a window as long as the probe hides nothing more than the causal mask
+    return [
+        Mutation(
+            "window_missing",
+            Stage.MASKED_SCORES,
+            "a causal mask without the window: every earlier key seen",
+            mask=lambda s: s.masked_fill(causal_hide(s.shape[-1]), -torch.inf),
+        )
+    ]
+
+
+@define("window_size", expected=_window_expected)
+def _window_size(c: Context) -> list[Mutation]:
+    w = c.spec.window
+    if not w:
+        return []
+    out = []
+    for other in (w + 1, w - 1, w + 2, w - 2):
+        if 1 <= other < c.tokens + 1 and min(w, c.tokens) != min(other, c.tokens):
+            out.append(
+                Mutation(
+                    "window_size",
+                    Stage.MASKED_SCORES,
+                    f"a window of {other} keys where {w} are declared",
+                    mask=lambda s, other=other: s.masked_fill(
+                        window_hide(s.shape[-1], other), -torch.inf
+                    ),
+                )
+            )
+    return out
