@@ -54,6 +54,10 @@ def judge(path: Path, expect: dict, infer: bool, timeout: float) -> tuple[str, s
     if expect.get("unsupported"):
         return "verdict-on-unsupported", got
     if expect.get("ok"):
+        if report.ok and expect.get("structure"):
+            wrong = structure_differences(expect["structure"], report.structure or {})
+            if wrong:
+                return "pass-structure-wrong", f"ok; structure {wrong}"
         return ("pass" if report.ok else "false-alarm"), got
     if report.ok:
         return "missed", got
@@ -62,14 +66,40 @@ def judge(path: Path, expect: dict, infer: bool, timeout: float) -> tuple[str, s
     return ("code-right" if code_ok else "stage-right" if stage_ok else "wrong-stage"), got
 
 
+def structure_differences(want: dict, got: dict) -> str:
+    """The fields of the expected ``structure`` the report read otherwise ('' if none)."""
+    wrong = []
+    for key, value in want.items():
+        have = got.get(key)
+        if isinstance(value, dict) and isinstance(have, dict):
+            bad = [
+                k
+                for k, v in value.items()
+                if not (
+                    have.get(k) == v
+                    or (
+                        isinstance(v, (int, float))
+                        and isinstance(have.get(k), (int, float))
+                        and abs(have[k] - v) <= 1e-3 * abs(v)
+                    )
+                )
+            ]
+            if bad:
+                wrong.append(f"{key}.{'/'.join(bad)}: want {value}, got {have}")
+        elif have != value:
+            wrong.append(f"{key}: want {value}, got {have}")
+    return "; ".join(wrong)
+
+
 def summary(rows: list[tuple[str, dict, str, str]]) -> str:
-    correct = [r for r in rows if r[1].get("ok")]
+    correct = [r for r in rows if r[1].get("ok") and not r[1].get("unsupported")]
     buggy = [r for r in rows if not r[1].get("ok") and not r[1].get("unsupported")]
     unsup = [r for r in rows if r[1].get("unsupported")]
     c = Counter(r[2] for r in rows)
     stage = c["code-right"] + c["stage-right"]
     lines = [
-        f"correct {len(correct)}: passed {c['pass']}, false alarms {c['false-alarm']}, "
+        f"correct {len(correct)}: passed {c['pass'] + c['pass-structure-wrong']} "
+        f"(structure right {c['pass']}), false alarms {c['false-alarm']}, "
         f"refused {sum(r[2] == 'refused' for r in correct)}, "
         f"crashed {sum(r[2] == 'crash' for r in correct)}",
         f"buggy {len(buggy)}: stage right {stage} ({stage / max(len(buggy), 1):.0%}), "
@@ -104,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((path.stem, expect, verdict, said))
             if args.verbose and verdict not in ("pass", "code-right", "refused-right"):
                 want = (
-                    "ok"
-                    if expect.get("ok")
-                    else f"unsupported {expect['unsupported']}"
+                    f"unsupported {expect['unsupported']}"
                     if expect.get("unsupported")
+                    else "ok"
+                    if expect.get("ok")
                     else f"{expect['stage']}/{expect['mistake']}"
                 )
                 print(f"  {verdict:22} {path.stem}: want {want}; got {said}", file=sys.stderr)

@@ -21,11 +21,40 @@ _FEATURE_WORDS = {
     "cross": "cross-attention",
     "qk_norm": "QK norm",
     "fast_path": "fused fast path",
+    "kv_cache": "KV cache",
 }
 
 
 #: features modelled since their round was written: those correct layers are now judged
 _MODELLED = {"rotary", "grouped", "window"}
+
+
+#: round 6 files whose layer uses a feature not modelled yet (issue #9 goes on): each must
+#: still be refused with its feature named, never judged; the entry leaves with the feature
+_PENDING = {
+    "qk_norm": "QK norm",
+    "alibi": "ALiBi",
+    "cross": "cross-attention",
+}
+
+
+def _pending(path, expect) -> str | None:
+    """The feature not modelled yet that this file's layer uses, or None."""
+    if path.parent.name != "r6":
+        return None
+    s = expect.get("structure") or {}
+    code = expect.get("mistake", "")
+    if expect["kind"] == "cross" or s.get("cross") or code == "wrong_source":
+        return "cross"
+    if s.get("qk_norm") or code.startswith("qk_norm") or path.stem in _QK_NORM_LAYERS:
+        return "qk_norm"
+    if s.get("bias") == "alibi" or code.startswith("bias_"):
+        return "alibi"
+    return None
+
+
+#: buggy round 6 files whose layer has a QK norm although their bug is elsewhere
+_QK_NORM_LAYERS = {"b_rasbt_gemma3_local_mask_hides_self"}
 
 
 def _ids(cases):
@@ -39,6 +68,23 @@ def test_unseen_case(path, expect, infer):
     wrapper is named by its module path; a feature not modelled yet is refused, not judged."""
     kind = None if infer else expect["kind"]
     target = target_of(path, expect)
+    pending = _pending(path, expect)
+    if pending == "cross" and infer and expect.get("mistake") == "wrong_source":
+        # keys and values from the decoder's own input: nothing in the computation shows the
+        # layer was meant to read another sequence, so without --kind cross (not supported
+        # yet) it passes as self-attention; a known miss until cross-attention is modelled
+        report = check(target, init=expect.get("init"))
+        if report.ok:
+            pytest.xfail("wrong_source is missed until cross-attention is modelled")
+    if pending is not None:
+        with pytest.raises(AttnScopeError) as info:
+            check(target, kind=kind, init=expect.get("init"))
+        if pending == "cross" and not infer:
+            assert "kind: expected one of" in str(info.value)  # --kind cross: not yet
+        else:
+            assert "not supported yet" in str(info.value)
+            assert _PENDING[pending] in str(info.value), str(info.value)
+        return
     if expect.get("unsupported") and expect["unsupported"] not in _MODELLED:
         with pytest.raises(AttnScopeError, match="not supported yet") as info:
             check(target, kind=kind, init=expect.get("init"))

@@ -154,9 +154,17 @@ def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pa
     if shared.get("k") == "q" and shared.get("v") == "q":  # one combined qkv weight
         ((w, b),) = [_cat([_intended(p) for p in roles["q"]])]
         sizes = tuple(st.widths.get(r, 0) for r in ("q", "k", "v"))
-        if sizes[0] != sizes[1] and sum(sizes) == w.shape[1]:  # multi-query: [q | k | v]
+        if sizes[0] != sizes[1] and sum(sizes) == w.shape[1]:  # grouped heads: q wider
             cuts = [slice(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(3)]
-            return [(tuple((w[:, c], _cut(b, c)) for c in cuts), "[q|k|v]")]
+            out = [(tuple((w[:, c], _cut(b, c)) for c in cuts), "[q|k|v]")]
+            hd = st.head_dim or 0
+            if hd and sizes[1] % hd == 0 and sizes[0] % sizes[1] == 0:
+                # per key/value group: [q_1 .. q_g, k, v] for each group (lit-gpt, Falcon)
+                kv, g = sizes[1] // hd, sizes[0] // sizes[1]
+                idx = torch.arange(w.shape[1]).view(kv, g + 2, hd)
+                groups = [idx[:, :g].reshape(-1), idx[:, g].reshape(-1), idx[:, g + 1].reshape(-1)]
+                out.append((tuple((w[:, c], _cut(b, c)) for c in groups), "per-group [q..|k|v]"))
+            return out
         return [(tuple(parts), layout) for layout, parts in split_qkv(w, b, st.heads)]
     pairs = {r: _cat([_intended(p) for p in roles[r]]) for r in ("q", "k", "v")}
     if shared.get("v") == "k":  # a separate query weight and one combined key/value weight

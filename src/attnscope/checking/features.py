@@ -237,7 +237,22 @@ class Features:
                 m = mask.double()
                 finite = m[torch.isfinite(m) & (m > -1e4)]
                 if torch.unique(finite).numel() > 2:
-                    self._refuse("a position bias passed as attn_mask", op.location)
+                    node = next(
+                        (
+                            a
+                            for a in op.args
+                            if self.ops[a].output.shape == mask.shape
+                            and torch.equal(self.ops[a].output, mask)
+                        ),
+                        None,
+                    )
+                    learned = node is not None and self.g.param[node]
+                    what = (
+                        "a learned relative position bias passed as attn_mask"
+                        if learned
+                        else "a position bias passed as attn_mask (ALiBi?)"
+                    )
+                    self._refuse(what, op.location)
                 found = self._judge_hidden(~torch.isfinite(m) | (m < -1e4), "an additive attn_mask")
             if found is not None:
                 kind, detail = found

@@ -51,6 +51,7 @@ __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
 
 BATCH = 2
 _WEIGHTLESS_WIDTH = 5  # d_in for a module without weights (simplified attention)
+_ROPE_BATCH = 6  # sequences of the call a rotation is read from
 #: where layers and configs declare a sliding window (Mistral, Qwen 2, Gemma 2, Phi-3, ...)
 _WINDOW_NAMES = ("sliding_window", "sliding_window_size", "window_size", "attention_window")
 
@@ -157,6 +158,7 @@ class ModuleProbe:
         self.entry: _Entry | None = None
         self.structure: Structure | None = None
         self._hf_rotary: nn.Module | None = None
+        self._rope_probe: list[Call] | None = None
         self._root_inputs: dict[tuple, torch.Tensor] = {}
         self._root_width = _WEIGHTLESS_WIDTH
         self._leaf_names = {id(p): f"param:{n}" for n, p in self.module.named_parameters()}
@@ -269,7 +271,31 @@ class ModuleProbe:
                     "path, which attnscope cannot see into (while its ops are recorded it "
                     f"takes the Python path, and that raises: {errors[0]})"
                 )
+        extra = self._required_beyond_input()
+        if extra and errors:
+            raise Unsupported(
+                f"{self.tgt.text}: not supported yet: its forward needs more than the hidden "
+                f"states ({', '.join(extra)}: a KV cache, positions or a mask of its own?), "
+                "which the checker cannot make; check the attention layer through a model or "
+                "block that supplies them. Every probe raised: " + "; ".join(errors[:2])
+            )
         raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors[:3]))
+
+    def _required_beyond_input(self) -> list[str]:
+        """Required forward arguments after the first that are not another sequence: the
+        three-input (q, k, v) and two-input (cross-attention) calls excepted."""
+        try:
+            sig = inspect.signature(self.module.forward)
+        except (TypeError, ValueError):
+            return []
+        required = [
+            p
+            for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ][1:]
+        if len(required) == 2 and not self.adapter["hf"]:
+            return []  # (query, key, value)
+        return [p.name for p in required]
 
     def _recorder(self, x: torch.Tensor, *more: torch.Tensor) -> Recorder:
         leaves = dict(self._leaf_names)
@@ -723,8 +749,10 @@ class ModuleProbe:
 
     def _read_rope(self, spec: Spec, w: Weights) -> Rope | None:
         """The rotation between this reading's projected heads and what the scores were made
-        from, in the batched call; None when it is no rotation."""
-        call = next((c for c in self.calls if c.batched), self.calls[0])
+        from; None when it is no rotation."""
+        call = self._rope_call()
+        if call is None:
+            return None
         try:
             st = read_structure(call.record, self.module)
             q, k, _ = project(call.x, spec, w)
@@ -756,6 +784,23 @@ class ModuleProbe:
                 return None
             tables[role] = found
         return read_rope(tables["q"], tables["k"], hd)
+
+    def _rope_call(self) -> Call | None:
+        """One recorded call on a wider batch, made once: every (token, feature) of a
+        rotation is fitted over the sequences and heads, and a multi-query layer's single
+        key head needs more sequences than the judged probe has to pin two unknowns."""
+        if self._rope_probe is None:
+            n = self.calls[0].x.shape[1]
+            x = torch.randn(_ROPE_BATCH, n, self.calls[0].given.shape[-1], generator=self.gen)
+            rec = self._recorder(x)
+            with rec:
+                out, err = self._invoke(x, self.causal_hint)
+            self._rope_probe = (
+                []
+                if err is not None
+                else [Call(self._ref_x(rec, x), out.double(), True, rec.ops, record=rec)]
+            )
+        return self._rope_probe[0] if self._rope_probe else None
 
     # ------------------------------------------------------------------ judging
     def _short_probe(self) -> list[Call] | None:

@@ -35,6 +35,10 @@ class Rope:
     pairing: str
     inv_freq: tuple[float, ...]
     head_dim: int
+    #: where each side's positions start in the layer's computation (queries, keys); None
+    #: where that side is not rotated or its positions are not a run (0 is the convention;
+    #: both sides shifted alike change no score)
+    offsets: tuple[float | None, float | None] = (0.0, 0.0)
 
     @property
     def rot(self) -> int:
@@ -101,7 +105,15 @@ def pair_rotate(t: T, pairing: str) -> T:
 
 
 def as_heads(u: T, b: int, h: int, n: int, d: int) -> list[T]:
-    """``u`` read as ``(B, H, T, D)`` in every layout the scores' operand may have."""
+    """``u`` read as ``(B, H, T, D)`` in every layout the scores' operand may have (keys
+    arrive transposed, ``(..., D, T)``, where the product takes ``k.transpose``)."""
+    out = _as_heads(u, b, h, n, d)
+    if u.dim() >= 2 and n != d:
+        out += _as_heads(u.transpose(-2, -1), b, h, n, d)
+    return out
+
+
+def _as_heads(u: T, b: int, h: int, n: int, d: int) -> list[T]:
     out = []
     if u.dim() == 4:
         for perm in itertools.permutations(range(4)):
@@ -146,6 +158,12 @@ class Tables:
         c, s = self.cos / self.scale, self.sin / self.scale
         first = torch.arange(self.rot // 2) if layout == "half" else torch.arange(0, self.rot, 2)
         return torch.atan2(s[:, first], c[:, first])
+
+
+def _rotation_like(t: Tables) -> bool:
+    length = torch.sqrt(t.cos * t.cos + t.sin * t.sin).median().item()
+    t.scale = length if length > 0 else 1.0
+    return t.is_rotation()
 
 
 def _partner(rot: int, pairing: str) -> T:
@@ -200,14 +218,16 @@ def fit_tables(p: T, u: T) -> Tables | None:
         if c is None or abs(c - tail) > 1e-3 * tail:
             break
         rot -= 2
-    best = None
+    fits = []
     for pairing in ("half", "interleaved"):
         cos, sin, resid = _solve(p[..., :rot], pair_rotate(p[..., :rot], pairing), u[..., :rot])
-        if resid <= 1e-4 and (best is None or resid < best[0]):
-            best = (resid, pairing, cos, sin)
-    if best is None:
+        if resid <= 1e-4:
+            fits.append(Tables(pairing, rot, cos, sin, 1.0))
+    if not fits:
         return None
-    _, pairing, cos, sin = best
+    # both fit only where the samples cannot tell them apart: prefer the true rotation
+    fits.sort(key=lambda t: not _rotation_like(t))
+    pairing, cos, sin = fits[0].pairing, fits[0].cos, fits[0].sin
     if bool((sin.abs() <= 1e-6 * cos.abs().amax()).all()):
         return None  # a factor that varies by position or feature, not a rotation
     scale = tail if rot < d else torch.sqrt(cos * cos + sin * sin).median().item()
@@ -261,4 +281,8 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
     _, freqs = read_side(pick, layout)
     if freqs is None:
         return None
-    return Rope(layout, tuple(float(f) for f in freqs), head_dim)
+    offsets = tuple(
+        read_side(t, layout)[0].offset if t is not None and t.is_rotation() else None
+        for t in (q_tables, k_tables)
+    )
+    return Rope(layout, tuple(float(f) for f in freqs), head_dim, offsets)

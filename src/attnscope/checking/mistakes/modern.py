@@ -84,10 +84,13 @@ def _rope_positions(c: Context) -> list[Mutation]:
     if rope is None:
         return []
     out = []
-    for role, stage, side in (
-        ("q", Stage.ROTATED_QUERIES, "queries"),
-        ("k", Stage.ROTATED_KEYS, "keys"),
-    ):
+    sides = [("q", Stage.ROTATED_QUERIES, "queries"), ("k", Stage.ROTATED_KEYS, "keys")]
+    # a shift of one side against the other reads the same from either side: name the side
+    # whose positions do not start where the other's do (and at 0) first
+    q_off, k_off = rope.offsets
+    if k_off is not None and q_off is not None and abs(k_off) > abs(q_off):
+        sides.reverse()
+    for role, stage, side in sides:
         for shift, where in ((1, "one ahead of"), (-1, "one behind")):
             out.append(
                 Mutation(
