@@ -26,13 +26,12 @@ _FEATURE_WORDS = {
 
 
 #: features modelled since their round was written: those correct layers are now judged
-_MODELLED = {"rotary", "grouped", "window"}
+_MODELLED = {"rotary", "grouped", "window", "qk_norm"}
 
 
 #: round 6 files whose layer uses a feature not modelled yet (issue #9 goes on): each must
 #: still be refused with its feature named, never judged; the entry leaves with the feature
 _PENDING = {
-    "qk_norm": "QK norm",
     "alibi": "ALiBi",
     "cross": "cross-attention",
 }
@@ -46,15 +45,9 @@ def _pending(path, expect) -> str | None:
     code = expect.get("mistake", "")
     if expect["kind"] == "cross" or s.get("cross") or code == "wrong_source":
         return "cross"
-    if s.get("qk_norm") or code.startswith("qk_norm") or path.stem in _QK_NORM_LAYERS:
-        return "qk_norm"
     if s.get("bias") == "alibi" or code.startswith("bias_"):
         return "alibi"
     return None
-
-
-#: buggy round 6 files whose layer has a QK norm although their bug is elsewhere
-_QK_NORM_LAYERS = {"b_rasbt_gemma3_local_mask_hides_self"}
 
 
 def _ids(cases):

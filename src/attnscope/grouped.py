@@ -152,6 +152,7 @@ class GroupedQueryAttention(Traceable):
         self.dropout = nn.Dropout(dropout)
         freqs = AF.rope_frequencies(self.head_dim, rope_base, rope_fraction) if rope else None
         self.register_buffer("inv_freq", None if freqs is None else freqs.float())
+        self._table_cache: dict = {}
         slopes = AF.alibi_slopes(num_heads).float() if alibi else None
         self.register_buffer("alibi_slopes", slopes)
 
@@ -169,6 +170,17 @@ class GroupedQueryAttention(Traceable):
 
     def _angles(self, tokens: int, offset: int, device: torch.device) -> torch.Tensor:
         return AF.rope_angles(tokens, self.inv_freq, offset).to(device)
+
+    def _tables(self, tokens: int, offset: int, like: torch.Tensor):
+        """``(cos, sin)`` ``(T, R/2)`` for positions ``offset..``, made once per size, dtype
+        and device (and again if ``inv_freq`` is overwritten)."""
+        key = (tokens, offset, like.dtype, like.device, self.inv_freq._version)
+        if key not in self._table_cache:
+            if len(self._table_cache) > 8:
+                self._table_cache.clear()
+            angles = self._angles(tokens, offset, like.device)
+            self._table_cache[key] = (angles.cos().to(like.dtype), angles.sin().to(like.dtype))
+        return self._table_cache[key]
 
     def _queries_keys_values(self, x, context, offset, record):
         """Project, split into heads, norm and rotate: ``(B, H, T, D)``, ``(B, K, S, D)`` x 2."""
@@ -190,8 +202,8 @@ class GroupedQueryAttention(Traceable):
             if record is not None:
                 record.update(normed_queries=q, normed_keys=k)
         if self.rope:
-            q = AF.apply_rope(q, self._angles(q.shape[-2], offset, q.device), self.rope_pairing)
-            k = AF.apply_rope(k, self._angles(k.shape[-2], offset, k.device), self.rope_pairing)
+            q = AF.rotate_pairs(q, *self._tables(q.shape[-2], offset, q), self.rope_pairing)
+            k = AF.rotate_pairs(k, *self._tables(k.shape[-2], offset, k), self.rope_pairing)
             if record is not None:
                 record.update(rotated_queries=q, rotated_keys=k)
         return q, k, v

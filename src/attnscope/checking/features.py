@@ -51,6 +51,9 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
     for w in range(1, n):
         if torch.equal(h, ones.triu(1) | ones.tril(-w)):
             return ("window", w)
+        for d in (0, 2):  # a band whose diagonal is off: causal all the same (a mistake)
+            if torch.equal(h, ones.triu(d) | ones.tril(-w)):
+                return ("causal", d)
     return None
 
 
@@ -102,7 +105,9 @@ class Features:
 
     def _qk_path(self, role: str, node: int) -> None:
         stops = {p.op.index for ps in self.s.roles.values() for p in ps}
-        for op in self._path(node, stops):
+        path = self._path(node, stops)
+        normed = any(op.name in _NORM_CALLS for op in path)
+        for op in path:
             name = op.name
             if name in _ROTARY_CALLS:
                 self.s.rotary.setdefault(
@@ -110,7 +115,10 @@ class Features:
                 )
                 continue
             if name in _NORM_CALLS:
-                self._refuse(f"a norm applied to the {role} (QK norm)", op.location)
+                self.s.qk_norm.setdefault(
+                    role, (f"a norm applied to the {role} (QK norm)", op.location)
+                )
+                continue
             if name in LAYOUT_OPS or name not in (_SCALAR_OPS | {"add", "__add__", "sub"}):
                 continue
             consts = [self.ops[a].output for a in op.args if not self.g.tainted[a]]
@@ -120,6 +128,8 @@ class Features:
                     o.name in ("cat", "neg", "__neg__", "stack", "flip")
                     for o in self._path(node, stops)
                 )
+                if normed and not rotates:
+                    continue  # the norm's gain: read with the norm
                 what = (
                     "rotary position embedding (cos/sin tables)"
                     if rotates

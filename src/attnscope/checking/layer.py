@@ -54,6 +54,8 @@ class Structure:
     #: "queries"/"keys" -> (what, line) where something position-dependent turns them (a
     #: rotary embedding, read back by the probe, which refuses what is not a rotation)
     rotary: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    #: "queries"/"keys" -> (what, line) where a norm is applied to them (read by the probe)
+    qk_norm: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     #: the sliding window its mask shows (keys a query sees, itself included), with its line
     window: tuple[int, str | None] | None = None
     #: features per role, all heads together ("q", "k", "v"), as the computation reads them

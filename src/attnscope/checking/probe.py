@@ -34,10 +34,11 @@ from .compare import close
 from .dataflow import Graph
 from .features import Unsupported
 from .judge import Call, Judge
+from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
 from .record import Op, Recorder
 from .reference import Spec, Weights, project, split
 from .report import CheckReport, single_head
-from .rotary import Rope, as_heads, fit_tables, read_rope
+from .rotary import Rope, as_heads, read_rope
 from .structure import (
     Structure,
     keys_named_first,
@@ -139,6 +140,11 @@ class _Entry:
         if self.grid is not None and out.shape[0] == b and math.prod(out.shape[1:-1]) == n:
             return out.reshape(b, n, out.shape[-1])
         return out
+
+
+def _rotates(t) -> bool:
+    """Whether fitted tables turn anything (a sine that is not zero)."""
+    return not bool((t.sin.abs() < 1e-9).all())
 
 
 class ModuleProbe:
@@ -416,9 +422,12 @@ class ModuleProbe:
         kwargs: dict = {name: None for name in a["hf_required"]}
         if a["hf_rope"]:
             kwargs["position_embeddings"] = self._hf_position_embeddings(x32)
-        if a["hf"] and causal_hint:
+        # the model passes its mask always; a layer that requires one gets it from the start
+        required_mask = "attention_mask" in a["hf_required"]
+        if a["hf"] and (causal_hint or required_mask):
             n = x32.shape[-2]
-            hide = torch.ones(n, n, dtype=torch.bool).triu(1)
+            causal = causal_hint or getattr(self.module, "is_causal", False) is True
+            hide = torch.ones(n, n, dtype=torch.bool).triu(1 if causal else n)
             window = self._declared_window()
             if window is not None:  # the model's own mask for a sliding-window layer
                 hide = hide | torch.ones(n, n, dtype=torch.bool).tril(-window)
@@ -644,12 +653,16 @@ class ModuleProbe:
 
     def _declared_window(self) -> int | None:
         m = self.entry.module if self.entry is not None else self.module
+        if "sliding_window" in vars(m) and m.sliding_window is None:
+            return None  # the layer says it has none (a full-attention layer of its model)
         for holder in (
             m,
             getattr(m, "config", None),
             self.module,
             getattr(self.module, "config", None),
         ):
+            if getattr(holder, "use_sliding_window", True) is False:
+                continue  # declared, and switched off (Qwen 2 configs)
             for attr in _WINDOW_NAMES:
                 v = getattr(holder, attr, None)
                 if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -725,31 +738,39 @@ class ModuleProbe:
         return self._with_rope(out)
 
     def _with_rope(self, options: list[tuple[Weights, Spec]]) -> list[tuple[Weights, Spec]]:
-        """The readings whose rotary embedding the computation confirms (see
-        :mod:`.rotary`), each with it; a turn no reading explains as a rotation is refused."""
+        """The readings whose rotary embedding and QK norm the computation confirms (see
+        :mod:`.rotary`, :mod:`.qknorm`), each with them; what no reading explains as a
+        rotation and a norm is refused."""
         st = self.structure
-        if st is None or not st.rotary:
+        if st is None or not (st.rotary or st.qk_norm):
             return options
         kept = []
         for w, spec in options:
-            rope = self._read_rope(spec, w)
-            if rope is not None:
-                kept.append((w, dataclasses.replace(spec, rope=rope)))
+            read = self._read_modern(spec, w)
+            if read is not None:
+                rope, norm = read
+                kept.append((w, dataclasses.replace(spec, rope=rope, qk_norm=norm)))
         if not kept:
-            what, where = next(iter(st.rotary.values()))
+            what, where = next(iter({**st.qk_norm, **st.rotary}.values()))
             raise Unsupported(f"not supported yet: {what}" + (f" at {where}" if where else ""))
-        rope = kept[0][1].rope
-        hd = kept[0][1].head_dim
-        self.notes.append(
-            f"rotary position embedding read from the computation: {rope.pairing} pairing, "
-            f"{rope.rot} of {hd} features per head"
-            + (f", base {rope.base:g}" if rope.base else ", the layer's own frequencies")
-        )
+        spec = kept[0][1]
+        if spec.rope is not None:
+            r = spec.rope
+            self.notes.append(
+                f"rotary position embedding read from the computation: {r.pairing} pairing, "
+                f"{r.rot} of {spec.head_dim} features per head"
+                + (f", base {r.base:g}" if r.base else ", the layer's own frequencies")
+            )
+        if spec.qk_norm is not None:
+            n = spec.qk_norm
+            kind = "RMSNorm" if n.kind == "rms" else "LayerNorm"
+            over = "per head" if n.scope == "per-head" else "over the whole projection"
+            self.notes.append(f"QK norm read from the computation: {kind} {over}")
         return kept
 
-    def _read_rope(self, spec: Spec, w: Weights) -> Rope | None:
-        """The rotation between this reading's projected heads and what the scores were made
-        from; None when it is no rotation."""
+    def _read_modern(self, spec: Spec, w: Weights) -> tuple[Rope | None, QKNorm | None] | None:
+        """What happens between this reading's projected heads and what the scores were
+        made from: a rotation, a norm, both, or nothing; None when that is not it."""
         call = self._rope_call()
         if call is None:
             return None
@@ -761,11 +782,23 @@ class ModuleProbe:
         core = st.cores[0]
         b, n = call.x.shape[:2]
         hd = spec.head_dim
-        tables = {}
-        for role, node, ref in (
-            ("q", core.q_node, split(q, spec.num_heads)),
-            ("k", core.k_node, split(k, spec.kv)),
+        graph = Graph(call.record)
+        stops = {p.op.index for ps in st.roles.values() for p in ps}
+        sides = {}
+        for role, word, node, ref in (
+            ("q", "queries", core.q_node, split(q, spec.num_heads)),
+            ("k", "keys", core.k_node, split(k, spec.kv)),
         ):
+            path = [
+                call.record.ops[i]
+                for i in sorted(graph.ancestors(node, stop=stops))
+                if i not in stops and call.record.ops[i].leaf is None
+            ]
+            gains = []
+            if word in st.qk_norm:
+                widths = {hd, ref.shape[1] * hd}
+                gains = gains_on_path(call.record.ops, graph, path, widths)
+            eps = eps_on_path(call.record.ops, path)
             user = call.record.ops[node].output.detach().to(torch.float64)
             refs = [ref]
             if ref.shape[1] != spec.num_heads:  # keys repeated for the query heads first
@@ -773,17 +806,28 @@ class ModuleProbe:
                 refs += [ref.repeat_interleave(g, dim=1), ref.repeat(1, g, 1, 1)]
             found = next(
                 (
-                    t
+                    side
                     for r in refs
                     for form in as_heads(user, b, r.shape[1], n, hd)
-                    if (t := fit_tables(r, form)) is not None
+                    if (side := read_side(r, form, gains, eps)) is not None
                 ),
                 None,
             )
             if found is None:
                 return None
-            tables[role] = found
-        return read_rope(tables["q"], tables["k"], hd)
+            sides[role] = found
+        rope = None
+        if st.rotary or any(_rotates(s.tables) for s in sides.values()):
+            rope = read_rope(sides["q"].tables, sides["k"].tables, hd)
+        norm = None
+        normed = [s for s in sides.values() if s.normed]
+        if normed:
+            first = next((s for s in normed if not s.misplaced), normed[0])
+            gain = {r: (s.gain, s.bias) if s.normed else (None, None) for r, s in sides.items()}
+            norm = QKNorm(first.scope, first.kind, *gain["q"], *gain["k"], eps=eps)
+        elif st.qk_norm:
+            return None
+        return rope, norm
 
     def _rope_call(self) -> Call | None:
         """One recorded call on a wider batch, made once: every (token, feature) of a
@@ -851,7 +895,7 @@ class ModuleProbe:
             out.update(heads=spec.num_heads, kv_heads=spec.kv, head_dim=spec.head_dim)
         out.update(
             rope=None if spec.rope is None else spec.rope.describe(),
-            qk_norm=None,
+            qk_norm=None if spec.qk_norm is None else spec.qk_norm.scope,
             window=spec.window,
             bias=None,
         )

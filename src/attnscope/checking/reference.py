@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..stages import Kind, Stage
+from .qknorm import QKNorm
 from .rotary import Rope
 
 __all__ = [
@@ -52,6 +53,7 @@ class Spec:
     kv_heads: int | None = None
     rope: Rope | None = None
     window: int | None = None  # causal kinds: each query sees its last `window` keys
+    qk_norm: QKNorm | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind.of(self.kind))
@@ -161,6 +163,8 @@ class Mutation:
     # values rotated too, and how key/value heads reach the query heads
     rotate: Callable[[str, T], T] | None = None
     rotate_values: bool = False
+    norm: Callable[[str, T], T] | None = None  # (role, heads) -> normed, for the QK norm
+    norm_after_rope: frozenset = frozenset()  # roles normed after the rotation
     expand_kv: Callable[[T, int], T] | None = None
     replace: dict[str, T] = field(default_factory=dict)  # stage name -> the user's tensor
     user_dim: int | None = None  # softmax over this axis of the user's own layout
@@ -223,10 +227,22 @@ def _heads(x: T, spec: Spec, w: Weights | None, mut: Mutation, proj, sub) -> dic
         vh = spec.rope.rotate(vh)
     qh, kh, vh = sub.get("queries", qh), sub.get("keys", kh), sub.get("values", vh)
     out = {"queries": qh, "keys": kh, "values": vh}
+    norm = None
+    if spec.qk_norm is not None:
+        norm = mut.norm or spec.qk_norm.apply
+    turn = None
     if spec.rope is not None:
         turn = mut.rotate or (lambda role, t: spec.rope.rotate(t))
-        out["rotated_queries"] = sub.get("rotated_queries", turn("q", qh))
-        out["rotated_keys"] = sub.get("rotated_keys", turn("k", kh))
+    for role, name, t in (("q", "queries", qh), ("k", "keys", kh)):
+        late = role in mut.norm_after_rope
+        if norm is not None and not late:
+            t = out[f"normed_{name}"] = sub.get(f"normed_{name}", norm(role, t))
+        if turn is not None:
+            t = out[f"rotated_{name}"] = sub.get(f"rotated_{name}", turn(role, t))
+        if norm is not None and late:  # the mistake: normed after the rotation
+            t = out[f"normed_{name}"] = norm(role, t)
+            if turn is not None:
+                out[f"rotated_{name}"] = t
     return out
 
 
@@ -237,8 +253,8 @@ def expand_kv(t: T, group: int) -> T:
 
 def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows) -> dict:
     """Scores, scaled scores, masked scores (causal kinds) and weights: ``(B, H, T, T)``."""
-    qh = st.get("rotated_queries", st["queries"])
-    kh = st.get("rotated_keys", st["keys"])
+    qh = st.get("rotated_queries", st.get("normed_queries", st["queries"]))
+    kh = st.get("rotated_keys", st.get("normed_keys", st["keys"]))
     kh = (mut.expand_kv or expand_kv)(kh, spec.group)
     if mut.flatten_batch:  # the batch folded into the tokens: every sequence sees all others
         qh, kh = (_fold_batch(t) for t in (qh, kh))

@@ -20,6 +20,7 @@ __all__ = [
     "rope_angles",
     "rotary_dims",
     "apply_rope",
+    "rotate_pairs",
     "repeat_kv",
     "kv_head_of",
     "rms_norm",
@@ -116,8 +117,18 @@ def apply_rope(
             f"angles: expected ({t}, at most {d // 2}) for x {tuple(x.shape)}, "
             f"got {describe(angles)}"
         )
-    rot = 2 * angles.shape[1]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return rotate_pairs(x, cos.to(x.device), sin.to(x.device), pairing)
+
+
+def rotate_pairs(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairing: str
+) -> torch.Tensor:
+    """:func:`apply_rope` from its tables: ``cos``, ``sin`` ``(T, R/2)`` in ``x``'s dtype.
+
+    No checks: for a module's fast path, whose tables are made (and checked) once.
+    """
+    rot = 2 * cos.shape[-1]
     part, rest = x[..., :rot], x[..., rot:]
     if pairing == "half":
         first, second = part[..., : rot // 2], part[..., rot // 2 :]

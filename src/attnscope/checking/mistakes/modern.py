@@ -1,4 +1,5 @@
-"""Mistakes of modern attention: rotary embeddings, grouped key/value heads, windows.
+"""Mistakes of modern attention: rotary embeddings, QK norm, grouped key/value heads,
+windows.
 
 The rotation is the reference's :class:`..rotary.Rope` (the layer's own pairing and
 frequencies, read from its computation); each mutation changes one thing about how it is
@@ -185,3 +186,50 @@ def _window_size(c: Context) -> list[Mutation]:
                 )
             )
     return out
+
+
+def _norm_expected(spec) -> str:
+    n = spec.qk_norm
+    if n is None:
+        return ""
+    over = "each head's features" if n.scope == "per-head" else "the whole projection"
+    kind = "RMSNorm" if n.kind == "rms" else "LayerNorm"
+    return f"expected the {kind} over {over} on both queries and keys, before the rotation"
+
+
+@define("qk_norm_missing", expected=_norm_expected)
+def _qk_norm_missing(c: Context) -> list[Mutation]:
+    n = c.spec.qk_norm
+    if n is None:
+        return []
+    return [
+        Mutation(
+            "qk_norm_missing",
+            stage,
+            f"the {side} not normed (the {other} are)",
+            norm=lambda r, t, role=role: t if r == role else n.apply(r, t),
+        )
+        for role, stage, side, other in (
+            ("q", Stage.NORMED_QUERIES, "queries", "keys"),
+            ("k", Stage.NORMED_KEYS, "keys", "queries"),
+        )
+    ]
+
+
+@define("qk_norm_misplaced", expected=_norm_expected)
+def _qk_norm_misplaced(c: Context) -> list[Mutation]:
+    if c.spec.qk_norm is None or c.spec.rope is None:
+        return []
+    return [
+        Mutation(
+            "qk_norm_misplaced",
+            stage,
+            f"the norm applied after the rotation{where}",
+            norm_after_rope=frozenset(roles),
+        )
+        for roles, stage, where in (
+            ("qk", Stage.NORMED_QUERIES, ""),
+            ("q", Stage.NORMED_QUERIES, ", on the queries"),
+            ("k", Stage.NORMED_KEYS, ", on the keys"),
+        )
+    ]

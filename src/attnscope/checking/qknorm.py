@@ -1,0 +1,193 @@
+"""QK norm (RMSNorm or LayerNorm on queries and keys), read back from the computation.
+
+The gain (and a LayerNorm's shift) is what the layer multiplies (adds) on the queries' way
+to the scores: a tensor made from its parameters, whatever it is called (``q_norm.weight``,
+``1 + weight`` as Gemma does, a ``(heads, head_dim)`` table as Cohere's). Which norm, over
+what (each head, or the whole projection before the heads are split), and in which order
+with the rotation are hypotheses; the one that reproduces the tensor the scores were made
+from, exactly, is the layer's. See :func:`read_side`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .rotary import Tables, fit_tables
+
+__all__ = ["QKNorm", "NormSide", "normalise", "read_side", "gains_on_path", "eps_on_path"]
+
+T = torch.Tensor
+SCOPES = ("per-head", "full")
+KINDS = ("rms", "layer")
+
+
+def normalise(t: T, kind: str, eps: float) -> T:
+    """Over the last axis: ``t / rms(t)`` (RMSNorm) or ``(t - mean) / std`` (LayerNorm)."""
+    if kind == "layer":
+        t = t - t.mean(-1, keepdim=True)
+    return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _merge(t: T) -> T:
+    b, h, n, d = t.shape
+    return t.transpose(1, 2).reshape(b, n, h * d)
+
+
+def _split(t: T, h: int) -> T:
+    b, n, hd = t.shape
+    return t.reshape(b, n, h, hd // h).transpose(1, 2)
+
+
+def _affine(t: T, gain: T | None, bias: T | None, heads: int) -> T:
+    """Gain and shift on ``(B, H, T, D)``: a ``(D,)`` one per feature, a ``(H, D)`` or
+    ``(H*D,)`` one per head and feature."""
+    for v, op in ((gain, "mul"), (bias, "add")):
+        if v is None:
+            continue
+        d = t.shape[-1]
+        if v.numel() == d:
+            v = v.reshape(d)
+        else:  # per head; a key/value head's gain serves its group of repeated heads
+            m = v.numel() // d
+            v = v.reshape(m, 1, d).repeat_interleave(heads // m, dim=0)
+        t = t * v if op == "mul" else t + v
+    return t
+
+
+@dataclass(eq=False)
+class QKNorm:
+    """The reference's QK norm: ``scope`` per-head or full, ``kind`` rms or layer, the
+    gains and shifts of each side (``None``: 1 and 0), ``eps``."""
+
+    scope: str
+    kind: str
+    q_gain: T | None = None
+    q_bias: T | None = None
+    k_gain: T | None = None
+    k_bias: T | None = None
+    eps: float = 1e-6
+
+    def apply(self, role: str, t: T) -> T:
+        """``(B, H, T, D)`` queries (``role`` "q") or keys, normed."""
+        gain, bias = (self.q_gain, self.q_bias) if role == "q" else (self.k_gain, self.k_bias)
+        h = t.shape[1]
+        if self.scope == "full":
+            normed = _split(normalise(_merge(t), self.kind, self.eps), h)
+        else:
+            normed = normalise(t, self.kind, self.eps)
+        return _affine(normed, gain, bias, h)
+
+
+@dataclass
+class NormSide:
+    """How one side (queries or keys) reached the scores: its tables after the norm (or
+    without one), and the norm found."""
+
+    tables: Tables
+    normed: bool = False
+    scope: str | None = None
+    kind: str | None = None
+    gain: T | None = None
+    bias: T | None = None
+    misplaced: bool = False  # normed after the rotation
+
+
+def _rotation(t: Tables) -> bool:
+    return not bool((t.sin.abs() < 1e-9).all())
+
+
+def read_side(p: T, u: T, gains: list[tuple[T | None, T | None]], eps: float) -> NormSide | None:
+    """How ``u`` (the operand of the scores, ``(B, H, T, D)``) was made from the projected
+    heads ``p``: a rotation (or nothing) alone, or a norm with one of ``gains`` then a
+    rotation, or a rotation then the norm. None when no hypothesis is exact.
+
+    A linear fit also "explains" a gain folded into the tables (which is no rotation), so
+    hypotheses are ranked: a rotation (or nothing), then the norm after the rotation, then
+    tables laid out for the other pairing (the mistake ``rope_pairing``)."""
+    found: list[tuple[int, NormSide]] = []
+
+    def consider(side: NormSide) -> None:
+        rank = _rank(side.tables)
+        if rank is not None:
+            found.append((rank + (1 if side.misplaced else 0), side))
+
+    plain = fit_tables(p, u)
+    if plain is not None:
+        consider(NormSide(plain))
+    h = p.shape[1]
+    for gain, bias in gains:
+        for scope in SCOPES:
+            for kind in KINDS:
+                try:
+                    if scope == "full":
+                        normed = _split(normalise(_merge(p), kind, eps), h)
+                    else:
+                        normed = normalise(p, kind, eps)
+                    t = fit_tables(_affine(normed, gain, bias, h), u)
+                    if t is not None:
+                        consider(NormSide(t, True, scope, kind, gain, bias))
+                    if scope == "per-head" and _invertible(gain):
+                        # rotated first, then normed: a per-head norm keeps the rotation's
+                        # length, so undoing the gain leaves the rotation of the normed heads
+                        un = u if bias is None else _affine(u, None, -bias, h)
+                        un = un / _affine(torch.ones_like(un[:1, :, :1]), gain, None, h)
+                        t = fit_tables(normalise(p, kind, eps), un)
+                        if t is not None and _rotation(t):
+                            consider(NormSide(t, True, scope, kind, gain, bias, misplaced=True))
+                except RuntimeError:  # a gain of another width than these heads
+                    continue
+    if not found:
+        return None
+    return min(found, key=lambda f: f[0])[1]
+
+
+def _rank(t: Tables) -> int | None:
+    """0 for a rotation or none, 2 for tables laid out for the other pairing, None else."""
+    if not _rotation(t) or t.is_rotation():
+        return 0
+    return 2 if t.mismatched_layout() else None
+
+
+def _invertible(gain: T | None) -> bool:
+    return gain is None or bool((gain.abs() > 1e-6).all())
+
+
+def gains_on_path(ops, graph, path: list, widths: set[int]) -> list[tuple[T | None, T | None]]:
+    """Gains (and shifts) the path multiplies (adds) by a tensor made from parameters,
+    ``widths`` wide in all: a norm's affine part, as candidates (with none first)."""
+    muls, adds = [], []
+    for op in path:
+        if op.name in ("layer_norm", "rms_norm"):  # F.layer_norm(x, shape, weight, bias, eps)
+            args = list(op.call_args) + [None] * 5
+            w = op.call_kwargs.get("weight", args[2])
+            b = op.call_kwargs.get("bias", args[3] if op.name == "layer_norm" else None)
+            if isinstance(w, T):
+                muls.append(w.detach().double())
+            if isinstance(b, T):
+                adds.append(b.detach().double())
+        if op.name in ("mul", "__mul__", "__rmul__", "mul_", "add", "__add__", "__radd__", "add_"):
+            for a in op.args:
+                t = ops[a].output
+                if graph.param[a] and not graph.tainted[a] and t.numel() in widths:
+                    (muls if "mul" in op.name else adds).append(t.detach().double().flatten())
+    out: list[tuple[T | None, T | None]] = [(g, b) for g in muls for b in adds] if adds else []
+    out += [(g, None) for g in muls] + [(None, None)]
+    return out
+
+
+def eps_on_path(ops, path: list) -> float:
+    """The epsilon a norm on the path adds under its square root (1e-6 where none is read)."""
+    for op in path:
+        if op.name in ("layer_norm", "rms_norm"):
+            args = list(op.call_args) + [None] * 5
+            eps = op.call_kwargs.get("eps", args[4] if op.name == "layer_norm" else args[3])
+            if isinstance(eps, float):
+                return eps
+        if op.name == "rsqrt" and op.args:
+            inner = ops[op.args[0]]
+            for v in list(inner.call_args) + list(inner.call_kwargs.values()):
+                if isinstance(v, float) and 0 < v < 1e-2:
+                    return v
+    return 1e-6

@@ -1,0 +1,190 @@
+"""attnscope check on real modern attention layers, built from configs with random weights
+and called the way their models call them: structure read from the computation, a
+correct layer passes, and a bug slipped into the real code is named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from attnscope import AttnScopeError, GroupedQueryAttention, check
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+
+def _hf(module_name: str, layer: str, config: str, **cfg):
+    mod = pytest.importorskip(f"transformers.models.{module_name}.modeling_{module_name}")
+    config_cls = getattr(transformers, config)
+    base = dict(hidden_size=64, num_attention_heads=4, intermediate_size=64, num_hidden_layers=1)
+    return getattr(mod, layer), config_cls(**(base | cfg))
+
+
+def _uneven_norms(m: nn.Module) -> nn.Module:
+    """QK norm gains as a trained checkpoint has them (not all ones)."""
+    with torch.no_grad():
+        for name in ("q_norm", "k_norm"):
+            getattr(m, name).weight.uniform_(0.5, 1.5)
+    return m
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_hf_llama_attention_with_grouped_heads(impl):
+    cls, cfg = _hf("llama", "LlamaAttention", "LlamaConfig", num_key_value_heads=2)
+    cfg._attn_implementation = impl
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.kind == "causal-multihead"
+    s = report.structure
+    assert (s["heads"], s["kv_heads"], s["head_dim"]) == (4, 2, 16)
+    assert s["rope"] == {"pairing": "half", "fraction": 1.0, "base": 10000.0}
+
+
+def test_hf_mistral_attention_holds_its_sliding_window():
+    cls, cfg = _hf("mistral", "MistralAttention", "MistralConfig", num_key_value_heads=2)
+    cfg.sliding_window = 3
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["window"] == 3
+
+
+def test_hf_qwen3_attention_reads_its_qk_norm():
+    cls, cfg = _hf("qwen3", "Qwen3Attention", "Qwen3Config", num_key_value_heads=2, head_dim=16)
+    report = check(lambda: _uneven_norms(cls(cfg, layer_idx=0)))
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["qk_norm"] == "per-head"
+
+
+def test_hf_gpt_neox_attention_rotates_a_quarter_of_each_head():
+    cls, cfg = _hf("gpt_neox", "GPTNeoXAttention", "GPTNeoXConfig", rotary_pct=0.25)
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["rope"]["fraction"] == 0.25
+
+
+@pytest.mark.parametrize("multi_query,new_arch,kv", [(True, False, 1), (False, True, 2)])
+def test_hf_falcon_attention_multi_query_and_grouped(multi_query, new_arch, kv):
+    cls, cfg = _hf(
+        "falcon",
+        "FalconAttention",
+        "FalconConfig",
+        multi_query=multi_query,
+        new_decoder_architecture=new_arch,
+        num_kv_heads=2,
+        alibi=False,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["kv_heads"] == kv
+
+
+def test_a_bug_slipped_into_hf_llama_is_named(monkeypatch):
+    """Key/value heads tiled (repeat) instead of interleaved inside the real layer."""
+    from transformers.models.llama import modeling_llama
+
+    def tiled(hidden, n_rep):
+        return hidden if n_rep == 1 else hidden.repeat(1, n_rep, 1, 1)
+
+    monkeypatch.setattr(modeling_llama, "repeat_kv", tiled)
+    cls, cfg = _hf("llama", "LlamaAttention", "LlamaConfig", num_key_value_heads=2)
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert not report.ok
+    assert (report.first_failure.stage.value, report.first_failure.mistake) == (
+        "scores",
+        "kv_group_mapping",
+    )
+
+
+def test_rotate_half_of_the_wrong_pairing_in_hf_llama_is_named(monkeypatch):
+    """Interleaved rotation against Hugging Face's half-laid-out tables: not a rotation."""
+    from transformers.models.llama import modeling_llama
+
+    def interleaved(x):
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+    monkeypatch.setattr(modeling_llama, "rotate_half", interleaved)
+    cls, cfg = _hf("llama", "LlamaAttention", "LlamaConfig", num_key_value_heads=2)
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert not report.ok
+    assert report.first_failure.mistake == "rope_pairing"
+
+
+# --- the book's own modern layers, in a block that supplies what their model does -------------
+
+llama3 = pytest.importorskip("llms_from_scratch.llama3", reason="llms-from-scratch not installed")
+qwen3 = pytest.importorskip("llms_from_scratch.qwen3", reason="llms-from-scratch not installed")
+
+
+class _BookBlock(nn.Module):
+    """What the book's model does around its attention: RoPE tables and the causal mask."""
+
+    def __init__(self, att: nn.Module, head_dim: int, rope):
+        super().__init__()
+        self.att = att
+        cos, sin = rope.compute_rope_params(head_dim, context_length=64)
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+
+    def forward(self, x):
+        n = x.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
+        return self.att(x, mask, self.cos, self.sin)
+
+
+def test_the_books_llama3_grouped_query_attention():
+    report = check(lambda: _BookBlock(llama3.GroupedQueryAttention(64, 64, 8, 2), 8, llama3))
+    assert report.ok, report.to_text(color=False)
+    assert report.layer == "att"
+    assert (report.structure["heads"], report.structure["kv_heads"]) == (8, 2)
+
+
+def test_the_books_qwen3_grouped_query_attention_with_qk_norm():
+    def make():
+        att = qwen3.GroupedQueryAttention(48, 4, 2, head_dim=16, qk_norm=True)
+        with torch.no_grad():
+            att.q_norm.scale.uniform_(0.5, 1.5)
+            att.k_norm.scale.uniform_(0.5, 1.5)
+        return _BookBlock(att, 16, qwen3)
+
+    report = check(make)
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["qk_norm"] == "per-head"
+    assert report.structure["head_dim"] == 16
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_attnscopes_own_grouped_layer_passes_on_both_paths(fast):
+    layer = GroupedQueryAttention(32, 32, 4, 2, qk_norm="per-head", window=3)
+    with torch.no_grad():
+        layer.q_norm.weight.uniform_(0.5, 1.5)
+    layer.use_fast_path = fast
+    report = check(lambda: layer)
+    assert report.ok, report.to_text(color=False)
+    s = report.structure
+    assert (s["kv_heads"], s["qk_norm"], s["window"], s["rope"]["pairing"]) == (
+        2,
+        "per-head",
+        3,
+        "half",
+    )
+
+
+def test_a_turn_that_is_no_rotation_is_refused_not_judged():
+    class Gain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+            self.register_buffer("g", torch.linspace(0.5, 1.5, 64)[:, None])
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            n = x.shape[1]
+            q = q * self.g[:n]  # position-dependent, not a rotation
+            w = (q @ k.transpose(1, 2) / 4).softmax(-1)
+            return w @ v
+
+    with pytest.raises(AttnScopeError, match="not supported yet"):
+        check(Gain)
