@@ -80,6 +80,15 @@ def test_hf_falcon_attention_multi_query_and_grouped(multi_query, new_arch, kv):
     assert report.structure["kv_heads"] == kv
 
 
+@pytest.mark.parametrize("heads", [4, 6])
+def test_hf_bloom_attention_reads_alibi(heads):
+    """BLOOM's ALiBi (6 heads: not a power of two), given the causal mask its model passes."""
+    cls, cfg = _hf("bloom", "BloomAttention", "BloomConfig", n_head=heads, hidden_size=48)
+    report = check(lambda: cls(cfg, layer_idx=0), kind="causal-multihead")
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["bias"] == "alibi"
+
+
 def test_a_bug_slipped_into_hf_llama_is_named(monkeypatch):
     """Key/value heads tiled (repeat) instead of interleaved inside the real layer."""
     from transformers.models.llama import modeling_llama

@@ -5,6 +5,7 @@ windows, cross-attention), refused with the line that shows them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from .dataflow import Graph
     from .layer import Core, Structure
 
-__all__ = ["Unsupported", "Features", "mask_shape", "MASKING_OPS"]
+__all__ = ["Unsupported", "Features", "BiasSeen", "mask_shape", "MASKING_OPS"]
 
 T = torch.Tensor
 
@@ -57,12 +58,24 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
     return None
 
 
+@dataclass
+class BiasSeen:
+    """A position bias added to the scores: its tensor as recorded, the shape of the scores
+    it was added to, its line, and whether the scale comes after it (Falcon's order)."""
+
+    tensor: T
+    scores_shape: tuple[int, ...]
+    location: str | None
+    before_scale: bool = False
+
+
 class Features:
     """Causal masks and the features not modelled yet, each found on its path."""
 
     def __init__(self, g: Graph, s: Structure):
         self.s, self.g, self.ops = s, g, g.ops
         self.window_seen = 0  # the window of the last band-shaped mask judged
+        self._bias_seen: T | None = None
 
     def find(self) -> None:
         s = self.s
@@ -156,8 +169,12 @@ class Features:
             if evidence is None:
                 continue
             kind, detail = evidence
-            if kind == "bias":
+            if kind == "bias-learned":
                 self._refuse(detail, op.location)
+            if kind == "bias":
+                s.bias = BiasSeen(self._bias_seen, tuple(op.output.shape), op.location)
+                s.bias.before_scale = self._scaled_after(op, reach)
+                continue
             if kind == "window":
                 s.window = (self.window_seen, op.location)
                 detail = f"a sliding-window mask ({detail})"
@@ -177,8 +194,27 @@ class Features:
         finite = t[torch.isfinite(t) & (t > -1e4)]
         if torch.unique(finite).numel() > 2:
             learned = bool(op.args) and self.g.param[op.args[0]]
-            what = "a learned relative position bias" if learned else "a position bias (ALiBi)"
-            self._refuse(f"{what} added in the scores' product", op.location)
+            if learned:
+                self._refuse(
+                    "a learned relative position bias added in the scores' product", op.location
+                )
+            # baddbmm(bias, q, k^T, alpha=scale): the bias is not scaled
+            self.s.bias = BiasSeen(added.detach(), tuple(op.output.shape), op.location)
+
+    def _scaled_after(self, op: Op, reach: set[int]) -> bool:
+        """Whether the scores are scaled after this op adds the bias (Falcon's order)."""
+        for later in self.ops[op.index + 1 :]:
+            if later.index not in reach or later.name not in _SCALAR_OPS:
+                continue
+            scalars = [a for a in later.call_args if isinstance(a, (int, float))]
+            scalars += [
+                self.ops[a].output
+                for a in later.args
+                if a not in reach and self.ops[a].output.numel() == 1
+            ]
+            if scalars:
+                return True
+        return False
 
     def _mask_of(self, op: Op, reach: set[int]) -> tuple[str, str] | None:
         """What a masking op does to the score path: a mask (causal or not) or a bias."""
@@ -214,12 +250,10 @@ class Features:
         distinct = torch.unique(finite).numel()
         if distinct > 2:
             learned = self.g.param[op.args[consts[0][0]]]
-            what = (
-                "a learned relative position bias added to the scores"
-                if learned
-                else "a position bias added to the scores (ALiBi)"
-            )
-            return ("bias", what)
+            if learned:
+                return ("bias-learned", "a learned relative position bias added to the scores")
+            self._bias_seen = t
+            return ("bias", "a position bias added to the scores (ALiBi)")
         return self._judge_hidden(~torch.isfinite(t64) | (t64 < -1e4), "an additive mask")
 
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
@@ -256,13 +290,13 @@ class Features:
                         ),
                         None,
                     )
-                    learned = node is not None and self.g.param[node]
-                    what = (
-                        "a learned relative position bias passed as attn_mask"
-                        if learned
-                        else "a position bias passed as attn_mask (ALiBi?)"
+                    if node is not None and self.g.param[node]:
+                        self._refuse(
+                            "a learned relative position bias passed as attn_mask", op.location
+                        )
+                    self.s.bias = BiasSeen(
+                        mask.detach(), tuple(op.output.shape[:-1]) + (mask.shape[-1],), op.location
                     )
-                    self._refuse(what, op.location)
                 found = self._judge_hidden(~torch.isfinite(m) | (m < -1e4), "an additive attn_mask")
             if found is not None:
                 kind, detail = found

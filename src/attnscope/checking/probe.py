@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import AttnScopeError, describe
 from ..stages import Kind, Stage
+from .alibi import Alibi, read_slopes
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
 from .dataflow import Graph
@@ -198,6 +199,8 @@ class ModuleProbe:
             self.kind, self.kind_reason = self._infer_kind(binding, st, tokens)
         else:
             self.kind_reason = "given (--kind, or kind= from Python)"
+            if self.kind.causal and self.adapter["hf"] and self.entry is None:
+                self.calls = self._probe(x, causal_hint=True)  # the model's causal mask
         if self.kind.one_query:
             raise AttnScopeError(
                 "--kind scores: expected a function f(inputs, query_index), got an nn.Module"
@@ -385,6 +388,22 @@ class ModuleProbe:
             "hf_required": [],
         }
 
+    def _hf_model_inputs(self, x: torch.Tensor, required: list[str]) -> dict:
+        """What a Hugging Face model hands its attention besides the hidden states: ALiBi's
+        tensor from the model's own ``build_alibi_tensor`` (BLOOM), a zero residual for a
+        layer that adds its own (its output is then the attention's)."""
+        out: dict = {}
+        module = sys.modules[type(self.module).__module__]
+        b, n = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
+        if "alibi" in required and hasattr(module, "build_alibi_tensor"):
+            heads = getattr(self.module, "num_heads", None)
+            if isinstance(heads, int):
+                ones = torch.ones(b, n, dtype=torch.long)
+                out["alibi"] = module.build_alibi_tensor(ones, heads, x.dtype)
+        if "residual" in required:
+            out["residual"] = torch.zeros_like(x)
+        return out
+
     def _hf_position_embeddings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` for positions 0..n-1 from the model's own rotary class, built from
         the layer's config, as the model computes them before calling its layers."""
@@ -422,6 +441,7 @@ class ModuleProbe:
         kwargs: dict = {name: None for name in a["hf_required"]}
         if a["hf_rope"]:
             kwargs["position_embeddings"] = self._hf_position_embeddings(x32)
+        kwargs.update(self._hf_model_inputs(x32, a["hf_required"]))
         # the model passes its mask always; a layer that requires one gets it from the start
         required_mask = "attention_mask" in a["hf_required"]
         if a["hf"] and (causal_hint or required_mask):
@@ -640,6 +660,15 @@ class ModuleProbe:
             reasons.append(f"one head ({binding.source})")
         return kind, "; ".join(reasons)
 
+    def _alibi(self, heads: int) -> Alibi | None:
+        """The reference's ALiBi when the computation adds a position bias to the scores,
+        with the slopes it used as read from that bias."""
+        st = self.structure
+        if st is None or st.bias is None:
+            return None
+        seen = read_slopes(st.bias.tensor, st.bias.scores_shape, heads)
+        return Alibi(heads, st.bias.before_scale, seen)
+
     def _window(self) -> int | None:
         """The sliding window the reference holds the layer to: the one its (or its
         model's) configuration declares, else the one its mask shows; causal kinds only."""
@@ -726,7 +755,14 @@ class ModuleProbe:
                     continue  # keys of another width: grouped heads only if they divide
                 kv = k_width // hd if k_width != b.d_out else None
                 spec = Spec(
-                    self.kind, b.d_in, b.d_out, h, b.has_out, kv_heads=kv, window=self._window()
+                    self.kind,
+                    b.d_in,
+                    b.d_out,
+                    h,
+                    b.has_out,
+                    kv_heads=kv,
+                    window=self._window(),
+                    alibi=self._alibi(h),
                 )
                 out.append((w, spec))
         if not out:
@@ -897,7 +933,7 @@ class ModuleProbe:
             rope=None if spec.rope is None else spec.rope.describe(),
             qk_norm=None if spec.qk_norm is None else spec.qk_norm.scope,
             window=spec.window,
-            bias=None,
+            bias=None if spec.alibi is None else "alibi",
         )
         return out
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..stages import Kind, Stage
+from .alibi import Alibi
 from .qknorm import QKNorm
 from .rotary import Rope
 
@@ -54,6 +55,7 @@ class Spec:
     rope: Rope | None = None
     window: int | None = None  # causal kinds: each query sees its last `window` keys
     qk_norm: QKNorm | None = None
+    alibi: Alibi | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind.of(self.kind))
@@ -165,6 +167,7 @@ class Mutation:
     rotate_values: bool = False
     norm: Callable[[str, T], T] | None = None  # (role, heads) -> normed, for the QK norm
     norm_after_rope: frozenset = frozenset()  # roles normed after the rotation
+    bias: Callable[[int, int], T | None] | None = None  # (heads, tokens) -> position bias
     expand_kv: Callable[[T, int], T] | None = None
     replace: dict[str, T] = field(default_factory=dict)  # stage name -> the user's tensor
     user_dim: int | None = None  # softmax over this axis of the user's own layout
@@ -259,8 +262,20 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
     if mut.flatten_batch:  # the batch folded into the tokens: every sequence sees all others
         qh, kh = (_fold_batch(t) for t in (qh, kh))
     scores = sub.get("scores", mut.scores(qh, kh) if mut.scores else qh @ kh.transpose(-2, -1))
-    scaled = scores * (spec.scale if mut.scale is None else mut.scale)
+    factor = spec.scale if mut.scale is None else mut.scale
+    scaled = scores * factor
     scaled = logits = sub.get("scaled_scores", scaled)
+    biased = None
+    if spec.alibi is not None:
+        n = scores.shape[-1]
+        bias = (mut.bias or spec.alibi.bias)(scores.shape[1], n)
+        if bias is None:
+            biased = scaled
+        elif spec.alibi.before_scale:  # Falcon: added to the raw scores, then scaled
+            biased = (scores + bias.to(scores)) * factor
+        else:
+            biased = scaled + bias.to(scores)
+        logits = biased = sub.get("biased_scores", biased)
     masked = None
     if spec.causal:
         if mut.mask:
@@ -269,7 +284,7 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
             hide = lambda s: s.masked_fill(window_hide(s.shape[-1], spec.window), -torch.inf)  # noqa: E731
         else:
             hide = lambda s: s.masked_fill(causal_hide(s.shape[-1]), -torch.inf)  # noqa: E731
-        logits = masked = sub.get("masked_scores", hide(scaled))
+        logits = masked = sub.get("masked_scores", hide(logits))
     if mut.user_dim is not None:
         # the user's axis numbers count the user's layout: (B,) (H,) T_q, T_k
         layout = ([0] if batched else []) + ([1] if spec.multihead else []) + [2, 3]
@@ -283,7 +298,10 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
     if nan_rows is not None:
         weights = weights.nan_to_num(nan_rows)
     weights = sub.get("weights", weights)
-    return {"scores": scores, "scaled_scores": scaled, "masked_scores": masked, "weights": weights}
+    out = {"scores": scores, "scaled_scores": scaled, "masked_scores": masked, "weights": weights}
+    if biased is not None:
+        out["biased_scores"] = biased
+    return out
 
 
 def _output(st: dict[str, T], spec: Spec, w: Weights | None, mut: Mutation, sub) -> dict:

@@ -1,5 +1,5 @@
 """Mistakes of modern attention: rotary embeddings, QK norm, grouped key/value heads,
-windows.
+windows, ALiBi.
 
 The rotation is the reference's :class:`..rotary.Rope` (the layer's own pairing and
 frequencies, read from its computation); each mutation changes one thing about how it is
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...stages import Stage
+from ..alibi import alibi_bias
 from ..reference import Mutation, causal_hide, window_hide
 from .base import Context, define
 
@@ -232,4 +233,82 @@ def _qk_norm_misplaced(c: Context) -> list[Mutation]:
             ("q", Stage.NORMED_QUERIES, ", on the queries"),
             ("k", Stage.NORMED_KEYS, ", on the keys"),
         )
+    ]
+
+
+def _bias_expected(spec) -> str:
+    a = spec.alibi
+    if a is None:
+        return ""
+    shown = ", ".join(f"{v:.4g}" for v in a.slopes[:4].tolist())
+    more = ", ..." if a.heads > 4 else ""
+    return (
+        f"expected ALiBi's bias slope_h * (j - i) added to every score, with the geometric "
+        f"slopes for {a.heads} heads ({shown}{more})"
+    )
+
+
+@define("bias_missing", expected=_bias_expected)
+def _bias_missing(c: Context) -> list[Mutation]:
+    if c.spec.alibi is None:
+        return []
+    return [
+        Mutation(
+            "bias_missing", Stage.BIASED_SCORES, "no position bias added", bias=lambda h, n: None
+        )
+    ]
+
+
+@define("bias_slopes", expected=_bias_expected)
+def _bias_slopes(c: Context) -> list[Mutation]:
+    a = c.spec.alibi
+    if a is None:
+        return []
+    std = a.slopes
+    h = a.heads
+    variants = {}
+    if a.seen is not None and a.seen.shape == std.shape:
+        seen = a.seen.abs()
+        if not torch.allclose(seen, std, rtol=1e-3):
+            variants["the slopes it uses: " + ", ".join(f"{v:.4g}" for v in seen[:4].tolist())] = (
+                seen
+            )
+    # the power-of-two formula applied to any head count, and the slopes in reverse order
+    variants["2^(-8 (h + 1) / heads) for a head count that is not a power of two"] = torch.tensor(
+        [2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], dtype=torch.float64
+    )
+    variants["the slopes in reverse head order"] = std.flip(0)
+    out = []
+    for label, slopes in variants.items():
+        if torch.allclose(slopes, std):
+            continue
+        out.append(
+            Mutation(
+                "bias_slopes",
+                Stage.BIASED_SCORES,
+                label,
+                bias=lambda heads, n, s=slopes: alibi_bias(s, n),
+            )
+        )
+    return out
+
+
+@define("bias_sign", expected=_bias_expected)
+def _bias_sign(c: Context) -> list[Mutation]:
+    a = c.spec.alibi
+    if a is None:
+        return []
+    return [
+        Mutation(
+            "bias_sign",
+            Stage.BIASED_SCORES,
+            "the bias with its sign flipped: distant keys favoured",
+            bias=lambda h, n: -alibi_bias(a.slopes, n),
+        ),
+        Mutation(
+            "bias_sign",
+            Stage.BIASED_SCORES,
+            "slope * |i - j| added: distant keys favoured",
+            bias=lambda h, n: alibi_bias(a.slopes, n).abs(),
+        ),
     ]
