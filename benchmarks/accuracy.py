@@ -20,6 +20,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import structure_differences  # noqa: E402  (the tests' own comparison)
+
 
 def expectations(folder: Path) -> list[tuple[Path, dict]]:
     found = []
@@ -64,31 +67,6 @@ def judge(path: Path, expect: dict, infer: bool, timeout: float) -> tuple[str, s
     stage_ok = report.first_failure.stage.value == expect["stage"]
     code_ok = stage_ok and report.first_failure.mistake == expect["mistake"]
     return ("code-right" if code_ok else "stage-right" if stage_ok else "wrong-stage"), got
-
-
-def structure_differences(want: dict, got: dict) -> str:
-    """The fields of the expected ``structure`` the report read otherwise ('' if none)."""
-    wrong = []
-    for key, value in want.items():
-        have = got.get(key)
-        if isinstance(value, dict) and isinstance(have, dict):
-            bad = [
-                k
-                for k, v in value.items()
-                if not (
-                    have.get(k) == v
-                    or (
-                        isinstance(v, (int, float))
-                        and isinstance(have.get(k), (int, float))
-                        and abs(have[k] - v) <= 1e-3 * abs(v)
-                    )
-                )
-            ]
-            if bad:
-                wrong.append(f"{key}.{'/'.join(bad)}: want {value}, got {have}")
-        elif have != value:
-            wrong.append(f"{key}: want {value}, got {have}")
-    return "; ".join(wrong)
 
 
 def summary(rows: list[tuple[str, dict, str, str]]) -> str:

@@ -37,6 +37,31 @@ def outcome(report) -> tuple:
     return (report.first_failure.stage.value, report.first_failure.mistake)
 
 
+def structure_differences(want: dict, got: dict) -> str:
+    """The fields of the expected ``structure`` the report read otherwise ('' if none)."""
+    wrong = []
+    for key, value in want.items():
+        have = got.get(key)
+        if isinstance(value, dict) and isinstance(have, dict):
+            bad = [
+                k
+                for k, v in value.items()
+                if not (
+                    have.get(k) == v
+                    or (
+                        isinstance(v, (int, float))
+                        and isinstance(have.get(k), (int, float))
+                        and abs(have[k] - v) <= 1e-3 * abs(v)
+                    )
+                )
+            ]
+            if bad:
+                wrong.append(f"{key}.{'/'.join(bad)}: want {value}, got {have}")
+        elif have != value:
+            wrong.append(f"{key}: want {value}, got {have}")
+    return "; ".join(wrong)
+
+
 def wanted(expect: dict) -> tuple:
     return ("ok",) if expect.get("ok") else (expect["stage"], expect["mistake"])
 

@@ -73,8 +73,8 @@ _BY_NAME = {
 }
 
 #: Kinds of attention the library and the checker handle, from the weightless scores of one
-#: query to causal multi-head (the contract also names ``cross``, for cross-attention).
-KINDS = ("scores", "simplified", "self", "causal", "multihead", "causal-multihead")
+#: query to causal multi-head, and cross-attention (keys and values from another sequence).
+KINDS = ("scores", "simplified", "self", "causal", "multihead", "causal-multihead", "cross")
 
 
 class Stage(str, Enum):

@@ -99,11 +99,9 @@ class Features:
         for role in ("k", "v"):
             for p in s.roles[role]:
                 if q and self.g.roots(p.input_node) != q:
-                    self._refuse(
-                        "cross-attention (keys and values projected from another input than "
-                        "the queries)",
-                        p.op.location,
-                    )
+                    if not (self.g.roots(p.input_node) - q):
+                        continue  # a mix of the queries' own input: not another sequence
+                    s.cross = p.op.location  # keys and values from another sequence
 
     def _path(self, node: int, stops: set[int]) -> list[Op]:
         """The ops between the projections (or the layer's input) and a core operand."""

@@ -50,6 +50,8 @@ class Call:
     fused: list[SdpaCall] = field(default_factory=list)  # the fused calls, as made
     probe: torch.Tensor | None = None  # what the target was given, where ``x`` differs
     record: Recorder | None = field(default=None, repr=False)  # the dataflow of the call
+    #: cross-attention: the other sequence as its key/value projections read it, float64
+    context: torch.Tensor | None = None
 
     @property
     def given(self) -> torch.Tensor:
@@ -218,7 +220,10 @@ class Judge:
                 Failure(stage, "other", message, where), found, refs, self._dims(self.calls[0])
             )
         for w, spec in options:
-            if all(close(c.out, pipeline(c.x, spec, w)["output"]) for c in self.calls):
+            if all(
+                close(c.out, pipeline(c.x, spec, w, context=c.context)["output"])
+                for c in self.calls
+            ):
                 self.w, self.spec = w, spec
                 return self._correct_or_unstable()
         # no reading reproduces the output: pick the one the recorded tensors confirm best
@@ -227,7 +232,7 @@ class Judge:
 
     def _confirmations(self, w, spec) -> int:
         call = self.calls[0]
-        ref = pipeline(call.x, spec, w)
+        ref = pipeline(call.x, spec, w, context=call.context)
         ops = call.ops + call.sdpa_ops
         n = 0
         for stage in (Stage.QUERIES, Stage.KEYS, Stage.VALUES):
@@ -239,7 +244,7 @@ class Judge:
         return n
 
     def _observe(self, call: Call) -> tuple[dict[Stage, Found | None], dict[Stage, torch.Tensor]]:
-        ref = pipeline(call.x, self.spec, self.w)
+        ref = pipeline(call.x, self.spec, self.w, context=call.context)
         ops = call.ops + call.sdpa_ops
         found: dict[Stage, Found | None] = {}
         refs: dict[Stage, torch.Tensor] = {}
@@ -277,6 +282,8 @@ class Judge:
     def _large_probe(self) -> Failure | None:
         """Correct on normal inputs: does it stay finite where torch.softmax does?"""
         call = self.calls[0]
+        if call.context is not None:
+            return None  # cross-attention: its other sequence would have to grow too
         x = (call.given * LARGE).float()
         x_in = x if call.batched else x[0]
         rec = self.recorder(x_in)
@@ -339,7 +346,7 @@ class Judge:
 
     def _check_shape(self, call: Call) -> None:
         """An output of another shape that no known mistake explains cannot be judged."""
-        ref = pipeline(call.x, self.spec, self.w)["output"]
+        ref = pipeline(call.x, self.spec, self.w, context=call.context)["output"]
         if call.out.shape == ref.shape:
             return
         want, got = ref.shape, call.out.shape
@@ -400,14 +407,14 @@ class Judge:
         if hit is None:
             return None  # the catalogue does not depend on the length: no need to rerun
         mut = hit[0]
-        projs = [project(c.x, self.spec, self.w) for c in full]
+        projs = [project(c.x, self.spec, self.w, c.context) for c in full]
         confirmed = [self._mutant(c, p, mut) for c, p in zip(full, projs, strict=True)]
         if all(o is not None for o in confirmed):
             return mut, confirmed[0]
         return self._explain(full)
 
     def _explain(self, calls: list[Call]) -> tuple[Mutation, dict] | None:
-        ref_outs = [pipeline(c.x, self.spec, self.w)["output"] for c in calls]
+        ref_outs = [pipeline(c.x, self.spec, self.w, context=c.context)["output"] for c in calls]
         tokens = calls[0].x.shape[1]
         batch = max(c.x.shape[0] for c in calls)
         # one combined weight: queries and keys exchanged reads as chunks taken in the wrong
@@ -415,7 +422,7 @@ class Judge:
         combined = self.w is not None and "[q|k|v]" in self.w.source and not self.keys_named_first
         biases = (None, None, None) if self.w is None else (self.w.bq, self.w.bk, self.w.bv)
         candidates = catalogue(Context(self.spec, tokens, batch, combined, biases))
-        projs = [project(c.x, self.spec, self.w) for c in calls]
+        projs = [project(c.x, self.spec, self.w, c.context) for c in calls]
         for mut in candidates:
             outs = []
             for c, p in zip(calls, projs, strict=True):
@@ -457,7 +464,7 @@ class Judge:
     def _fit_scale(self, template: Mutation, calls: list[Call]) -> tuple[Mutation, dict] | None:
         """A scale factor nobody named: search it on a log grid, then refine."""
 
-        projs = [project(call.x, self.spec, self.w) for call in calls]
+        projs = [project(call.x, self.spec, self.w, call.context) for call in calls]
 
         def err(c: float) -> float:
             total = 0.0
@@ -487,7 +494,7 @@ class Judge:
             return None
         tokens = calls[0].x.shape[1]
         mut = with_scale(template, c, describe_scale(c, self.spec, tokens))
-        outs = [pipeline(call.x, self.spec, self.w, mut) for call in calls]
+        outs = [pipeline(call.x, self.spec, self.w, mut, context=call.context) for call in calls]
         if all(
             close(call.out, o["output"], rtol=1e-3) for call, o in zip(calls, outs, strict=True)
         ):
@@ -603,7 +610,7 @@ class Judge:
                 replace={st.value: u for st, u in zip(qkv, users, strict=True)},
             )
             try:
-                out = pipeline(call.x, self.spec, self.w, mut)["output"]
+                out = pipeline(call.x, self.spec, self.w, mut, context=call.context)["output"]
             except (RuntimeError, ValueError):
                 continue
             wrong = [
@@ -642,7 +649,9 @@ class Judge:
                 for factor in factors:
                     mut = Mutation("other", stage, "", replace={stage.value: user / factor})
                     try:
-                        out = pipeline(call.x, self.spec, self.w, mut)["output"]
+                        out = pipeline(call.x, self.spec, self.w, mut, context=call.context)[
+                            "output"
+                        ]
                     except (RuntimeError, ValueError):
                         continue
                     if close(call.out, out):
@@ -656,5 +665,5 @@ class Judge:
         u = None
         if user is not None:
             u = user.double() if call.batched else user.double().unsqueeze(0)
-        ref = pipeline(call.x, self.spec, self.w)
+        ref = pipeline(call.x, self.spec, self.w, context=call.context)
         return recognise(stage, Evidence(u, ref, found))

@@ -58,6 +58,8 @@ class Structure:
     qk_norm: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     #: the sliding window its mask shows (keys a query sees, itself included), with its line
     window: tuple[int, str | None] | None = None
+    #: cross-attention: the line where keys and values are projected from another sequence
+    cross: str | None = None
     #: a position bias (ALiBi) added to the scores, as seen (see :class:`.features.BiasSeen`)
     bias: object | None = None
     #: features per role, all heads together ("q", "k", "v"), as the computation reads them

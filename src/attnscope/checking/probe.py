@@ -166,6 +166,10 @@ class ModuleProbe:
         self.structure: Structure | None = None
         self._hf_rotary: nn.Module | None = None
         self._rope_probe: list[Call] | None = None
+        self.cross = False  # keys and values from another sequence (a second input)
+        self._second_read = False
+        self._context_width = 0
+        self._contexts: dict[tuple, torch.Tensor] = {}
         self._root_inputs: dict[tuple, torch.Tensor] = {}
         self._root_width = _WEIGHTLESS_WIDTH
         self._leaf_names = {id(p): f"param:{n}" for n, p in self.module.named_parameters()}
@@ -199,6 +203,9 @@ class ModuleProbe:
             self.kind, self.kind_reason = self._infer_kind(binding, st, tokens)
         else:
             self.kind_reason = "given (--kind, or kind= from Python)"
+            if self.kind.cross and not self.cross:
+                self._expect_second_sequence()
+                self.calls = self._probe(x)
             if self.kind.causal and self.adapter["hf"] and self.entry is None:
                 self.calls = self._probe(x, causal_hint=True)  # the model's causal mask
         if self.kind.one_query:
@@ -262,6 +269,11 @@ class ModuleProbe:
                 except AttnScopeError as exc:
                     raise type(exc)(f"{self.tgt.text}: {exc}") from None
                 self._root_width = d
+                self.cross = st.cross is not None
+                self._context_width = d2 if d2 is not None else d
+                self._second_read = other is not None and any(
+                    op.leaf == "input:1" for op in rec.ops
+                )
                 if st.weightless:
                     raise AttnScopeError(
                         f"{self.tgt.text}: its attention reads no projection weights; check it "
@@ -456,6 +468,8 @@ class ModuleProbe:
         if a["qkv"]:
             args = (inp, inp, inp)
         elif a["pair"]:  # a second input: another sequence in discovery (cross-attention?)
+            if other is None and self.cross:
+                other = self._context(x32)
             args = (inp, inp if other is None else other)
         else:
             args = (inp,)
@@ -514,12 +528,56 @@ class ModuleProbe:
                 h.remove()
         return None, err or f"{e.path!r} was not called"
 
+    def _expect_second_sequence(self) -> None:
+        """A layer checked as cross-attention whose keys and values do not read its second
+        input: probe it with one all the same (the reference reads it; the layer's output
+        then shows the mistake)."""
+        if not self.adapter["pair"]:
+            raise AttnScopeError(
+                f"{self.tgt.text}: --kind cross: expected a layer that takes a second sequence "
+                "(forward(x, context)), got one that takes only its input"
+            )
+        self.cross = True
+        self._context_width = self._context_width or self._root_width
+
+    def _context(self, x: torch.Tensor) -> torch.Tensor:
+        """Cross-attention's other sequence for a call on ``x``: three tokens longer than
+        ``x`` (a key/value read from the wrong input then shows), the same for every call
+        of that size."""
+        key = tuple(x.shape[:-1])
+        if key not in self._contexts:
+            shape = (*x.shape[:-2], x.shape[-2] + 3, self._context_width)
+            self._contexts[key] = torch.randn(*shape, generator=self.discovery_gen)
+        return self._contexts[key]
+
+    def _kv_input(self, rec: Recorder, ctx: torch.Tensor | None) -> torch.Tensor | None:
+        """Cross-attention's context for the reference, ``(B, S, d)`` float64 (None for
+        self-attention): what its key/value projections read where that is made from the
+        second sequence alone (a wrapper may norm it first), else the second sequence as
+        given (keys read from the wrong input: the reference still reads the right one)."""
+        if ctx is None:
+            return None
+        batched = ctx.dim() == 3
+        given = ctx.detach().to(torch.float64)
+        try:
+            st = read_structure(rec, self.module)
+        except AttnScopeError:
+            st = None
+        if st is not None and st.roles["k"]:
+            node = st.roles["k"][0].input_node
+            if node is not None and Graph(rec).roots(node) == {"input:1"}:
+                t = rec.ops[node].output.detach().to(torch.float64)
+                if t.shape[:-1] == given.shape[:-1]:
+                    given = t
+        return given if batched else given.unsqueeze(0)
+
     def _probe(self, x: torch.Tensor, causal_hint: bool = False) -> list[Call]:
         """Call batched, then each sequence alone; keep every call that works."""
         self.causal_hint = causal_hint
         calls: list[Call] = []
         errors = []
-        rec = self._recorder(x)
+        ctx = self._context(x) if self.cross else None
+        rec = self._recorder(x) if ctx is None else self._recorder(x, ctx)
         with rec:
             out, err = self._invoke(x, causal_hint)
         if err is None:
@@ -534,13 +592,15 @@ class ModuleProbe:
                     rec.sdpa,
                     x.double(),
                     rec,
+                    self._kv_input(rec, ctx),
                 )
             )
         else:
             errors.append(f"batched input {fmt_shape(x.shape)}: {err}")
         if self.entry is None:
             x1 = x[0]
-            rec1 = self._recorder(x1)
+            ctx1 = self._context(x1) if self.cross else None
+            rec1 = self._recorder(x1) if ctx1 is None else self._recorder(x1, ctx1)
             with rec1:
                 out1, err1 = self._invoke(x1, causal_hint)
             if err1 is None and not self._shape_ok(out1, x1):
@@ -557,6 +617,7 @@ class ModuleProbe:
                         rec1.sdpa,
                         x[:1].double(),
                         rec1,
+                        self._kv_input(rec1, ctx1),
                     )
                 )
             else:
@@ -643,6 +704,21 @@ class ModuleProbe:
         return max(2, min(limit or 7, 7))
 
     def _infer_kind(self, binding: Binding, st: Structure, tokens: int) -> tuple[Kind, str]:
+        if st.cross is not None:
+            return Kind.of("cross"), (
+                f"its keys and values read another sequence than its queries (at {st.cross}); "
+                f"{binding.num_heads or 1} heads ({binding.source})"
+            )
+        second = self._unread_sequence_argument()
+        if second is not None:
+            # the computation cannot tell a cross-attention layer whose keys read the wrong
+            # input from self-attention with an idle argument: the argument's name breaks
+            # the tie
+            self._expect_second_sequence()
+            self.calls = self._probe(self.calls[0].given.float())
+            return Kind.of("cross"), (
+                f"it takes a second sequence, {second!r}, that its keys and values do not read"
+            )
         reasons = []
         heads = binding.num_heads
         multi = (heads or 1) > 1
@@ -668,6 +744,25 @@ class ModuleProbe:
             return None
         seen = read_slopes(st.bias.tensor, st.bias.scores_shape, heads)
         return Alibi(heads, st.bias.before_scale, seen)
+
+    def _unread_sequence_argument(self) -> str | None:
+        """The name of a second required input named like another sequence (encoder
+        states, a context, memory) that the computation never reads, or None."""
+        if not self.adapter["pair"] or self._second_read:
+            return None
+        try:
+            params = [
+                p
+                for p in inspect.signature(self.module.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            return None
+        if len(params) < 2:
+            return None
+        name = params[1].name
+        hints = ("encoder", "context", "memory", "cross", "source", "enc_", "xa", "image")
+        return name if any(h in name.lower() for h in hints) else None
 
     def _window(self) -> int | None:
         """The sliding window the reference holds the layer to: the one its (or its
@@ -812,7 +907,7 @@ class ModuleProbe:
             return None
         try:
             st = read_structure(call.record, self.module)
-            q, k, _ = project(call.x, spec, w)
+            q, k, _ = project(call.x, spec, w, call.context)
         except (AttnScopeError, RuntimeError):
             return None
         core = st.cores[0]
@@ -844,7 +939,7 @@ class ModuleProbe:
                 (
                     side
                     for r in refs
-                    for form in as_heads(user, b, r.shape[1], n, hd)
+                    for form in as_heads(user, b, r.shape[1], r.shape[2], hd)
                     if (side := read_side(r, form, gains, eps)) is not None
                 ),
                 None,
@@ -872,13 +967,23 @@ class ModuleProbe:
         if self._rope_probe is None:
             n = self.calls[0].x.shape[1]
             x = torch.randn(_ROPE_BATCH, n, self.calls[0].given.shape[-1], generator=self.gen)
-            rec = self._recorder(x)
+            ctx = self._context(x) if self.cross else None
+            rec = self._recorder(x) if ctx is None else self._recorder(x, ctx)
             with rec:
                 out, err = self._invoke(x, self.causal_hint)
             self._rope_probe = (
                 []
                 if err is not None
-                else [Call(self._ref_x(rec, x), out.double(), True, rec.ops, record=rec)]
+                else [
+                    Call(
+                        self._ref_x(rec, x),
+                        out.double(),
+                        True,
+                        rec.ops,
+                        record=rec,
+                        context=self._kv_input(rec, ctx),
+                    )
+                ]
             )
         return self._rope_probe[0] if self._rope_probe else None
 
@@ -934,6 +1039,7 @@ class ModuleProbe:
             qk_norm=None if spec.qk_norm is None else spec.qk_norm.scope,
             window=spec.window,
             bias=None if spec.alibi is None else "alibi",
+            cross=spec.kind.cross,
         )
         return out
 

@@ -168,6 +168,7 @@ class Mutation:
     norm: Callable[[str, T], T] | None = None  # (role, heads) -> normed, for the QK norm
     norm_after_rope: frozenset = frozenset()  # roles normed after the rotation
     bias: Callable[[int, int], T | None] | None = None  # (heads, tokens) -> position bias
+    kv_from_queries: bool = False  # cross-attention: keys and values from the wrong input
     expand_kv: Callable[[T, int], T] | None = None
     replace: dict[str, T] = field(default_factory=dict)  # stage name -> the user's tensor
     user_dim: int | None = None  # softmax over this axis of the user's own layout
@@ -177,11 +178,15 @@ class Mutation:
 NONE = Mutation("none", Stage.OUTPUT, "the reference")
 
 
-def project(x: T, spec: Spec, w: Weights | None) -> tuple[T, T, T]:
-    """Queries, keys, values ``(B, T, d_out)``: computed once, shared by every mutation."""
+def project(x: T, spec: Spec, w: Weights | None, context: T | None = None) -> tuple[T, T, T]:
+    """Queries, keys, values ``(B, T, d_out)``: computed once, shared by every mutation.
+
+    ``context`` ``(B, S, d)``: cross-attention's other sequence, which keys and values read.
+    """
     if spec.simplified:
         return x, x, x
-    return _lin(x, w.q, w.bq), _lin(x, w.k, w.bk), _lin(x, w.v, w.bv)
+    source = x if context is None else context
+    return _lin(x, w.q, w.bq), _lin(source, w.k, w.bk), _lin(source, w.v, w.bv)
 
 
 def pipeline(
@@ -192,6 +197,7 @@ def pipeline(
     proj: tuple[T, T, T] | None = None,
     batched: bool = True,
     nan_rows: float | None = None,
+    context: T | None = None,
 ) -> dict[str, T]:
     """Every stage of the reference (or of one mutation) for ``x``.
 
@@ -202,6 +208,7 @@ def pipeline(
         batched: whether the user's code saw a batch axis (for ``Mutation.user_dim``).
         nan_rows: the weight given to rows whose keys are all masked (NaN in the math; fused
             kernels such as ``scaled_dot_product_attention`` on the CPU give 0).
+        context: cross-attention's other sequence ``(B, S, d)`` (see :func:`project`).
 
     Returns:
         stage name -> tensor. Per-head stages are ``(B, H, T, *)`` for multi-head kinds and
@@ -211,6 +218,8 @@ def pipeline(
         name: (t.unsqueeze(1) if not spec.multihead and t.dim() == 3 and name != "output" else t)
         for name, t in mut.replace.items()
     }
+    if proj is None:
+        proj = project(x, spec, w, context)
     stages = _heads(x, spec, w, mut, proj, sub)
     stages.update(_weights(stages, spec, mut, sub, batched, nan_rows))
     stages.update(_output(stages, spec, w, mut, sub))
@@ -220,6 +229,8 @@ def pipeline(
 def _heads(x: T, spec: Spec, w: Weights | None, mut: Mutation, proj, sub) -> dict[str, T]:
     """Queries, keys and values cut into heads: ``(B, H, T, hd)`` each."""
     q, k, v = proj if proj is not None else project(x, spec, w)
+    if mut.kv_from_queries:  # cross-attention read its keys and values from the queries' input
+        _, k, v = project(x, spec, w)
     if mut.qkv is not None:
         q, k, v = mut.qkv(q, k, v)
     if mut.swap_batch:  # (B, T, D) read as (T, B, D): each position attends across the batch

@@ -312,3 +312,21 @@ def _bias_sign(c: Context) -> list[Mutation]:
             bias=lambda h, n: alibi_bias(a.slopes, n).abs(),
         ),
     ]
+
+
+@define(
+    "wrong_source",
+    expected="expected queries from the input and keys and values from the other sequence "
+    "(the encoder's output, the image features)",
+)
+def _wrong_source(c: Context) -> list[Mutation]:
+    if not c.spec.kind.cross:
+        return []
+    return [
+        Mutation(
+            "wrong_source",
+            Stage.KEYS,
+            "keys and values projected from the queries' own input, not the other sequence",
+            kv_from_queries=True,
+        )
+    ]
