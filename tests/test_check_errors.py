@@ -101,6 +101,11 @@ def test_init_must_be_a_dict():
 
 def test_unknown_kind():
     with pytest.raises(AttnScopeError, match="--kind: expected one of"):
+        check("attnscope.modules:SelfAttentionV2", kind="bidirectional")
+
+
+def test_kind_cross_on_a_layer_without_a_second_input():
+    with pytest.raises(AttnScopeError, match="--kind cross: expected a layer that takes a second"):
         check("attnscope.modules:SelfAttentionV2", kind="cross")
 
 
@@ -203,7 +208,7 @@ def _run(capsys, *argv):
         (["check", "missing.py:X"], "expected an existing Python file"),
         (["check", "attnscope.modules:SelfAttentionV2", "--init", "{not json"], "--init"),
         (["check", "attnscope.modules:SelfAttentionV2", "--init", "[1]"], "--init"),
-        (["check", "attnscope.modules:SelfAttentionV2", "--kind", "cross"], "invalid choice"),
+        (["check", "attnscope.modules:SelfAttentionV2", "--kind", "both"], "invalid choice"),
         (["check", "attnscope.modules:SelfAttentionV2", "--weights", "query"], "--weights"),
     ],
 )

@@ -14,8 +14,8 @@ CASES = expectations(GALLERY)
 
 
 def test_gallery_covers_every_mistake_code():
-    """One buggy file at least for each mistake code of classic attention, and for each
-    modern code the checker models (rotary embeddings, grouped heads so far)."""
+    """One buggy file at least for each mistake code, classic and modern (each modern code
+    from the moment the checker models it)."""
     codes = {e["mistake"] for _, e in CASES if not e.get("ok")}
     modelled = {code for code, m in MISTAKES.items() if not m.modern or m.mutate is not None}
     assert codes == modelled
@@ -23,7 +23,15 @@ def test_gallery_covers_every_mistake_code():
 
 def test_gallery_has_correct_files_of_every_kind():
     kinds = {e["kind"] for _, e in CASES if e.get("ok")}
-    assert kinds == {"scores", "simplified", "self", "causal", "multihead", "causal-multihead"}
+    assert kinds == {
+        "scores",
+        "simplified",
+        "self",
+        "causal",
+        "multihead",
+        "causal-multihead",
+        "cross",
+    }
 
 
 @pytest.mark.parametrize("path,expect", CASES, ids=[p.stem for p, _ in CASES])

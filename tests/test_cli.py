@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -277,6 +278,94 @@ def test_plot_replaces_a_file_only_with_force(capsys, tmp_path):
     code, _, err = run_cli(capsys, "plot", "-o", str(target), "--force")
     assert code == 0, err
     assert target.read_bytes().startswith(b"\x89PNG")
+
+
+# --- modern attention: demo, trace and plot of a GroupedQueryAttention ---------------------------
+
+
+def test_demo_rope_and_gqa_predict_then_check(capsys):
+    code, out, err = run_cli(capsys, "demo", "--kind", "rope")
+    assert code == 0, out + err
+    assert "== Rotary position embeddings" in out
+    assert re.search(r"rotated_queries +\(2, 6, 8\) +\(2, 6, 8\) +pass", out)
+    assert "pass  every pair keeps its length: a rotation" in out
+    assert "pass  mixing one layout's tables with the other's rotation changes lengths" in out
+    assert "0.9544" not in out  # only the rope part
+    code, out, err = run_cli(capsys, "demo", "--kind", "gqa", "--token", "4", "--seed", "5")
+    assert code == 0, out + err
+    assert re.search(r"keys +\(2, 6, 4\) +\(2, 6, 4\) +pass", out) and "token 4, 'one'" in out
+    assert "pass  query i sees min(i + 1, 3) keys, in every head" in out
+    assert "pass  the slopes of 8 heads are ALiBi's published 1/2, 1/4, ..., 1/256" in out
+    assert "FAIL" not in out
+
+
+def test_demo_all_ends_with_the_modern_parts(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "demo", "--kind", "all", "--html", str(tmp_path / "d.html"))
+    assert code == 0
+    assert out.index("== Causal multi-head") < out.index("== Rotary") < out.index("== Grouped")
+    page = (tmp_path / "d.html").read_text(encoding="utf-8")
+    assert "GroupedQueryAttention" in page and "2 kv heads" in page
+
+
+def test_trace_gqa_defaults_and_options(capsys):
+    code, out, err = run_cli(capsys, "trace", "--kind", "gqa")
+    assert code == 0, err
+    assert (
+        "attnscope trace: causal-multihead (GroupedQueryAttention, d_in=3, d_out=16, 4 heads)"
+        in out
+    )
+    assert "layer: 2 kv heads, each shared by 2 query heads; RoPE (half pairing)" in out
+    assert re.search(r"keys +\(2, 6, 4\) +\(2, 6, 4\) +pass", out) and "rotated_keys" in out
+    code, out, err = run_cli(
+        capsys, "trace", "--kind", "gqa", "--heads", "8", "--kv-heads", "1", "--window", "2"
+    )
+    assert code == 0, err
+    assert re.search(r"keys +\(1, 6, 2\) +\(1, 6, 2\)", out) and "window of 2 keys" in out
+    assert "pass  weights are zero above the diagonal and outside the window of 2" in out
+    code, out, err = run_cli(capsys, "trace", "--kind", "gqa", "--alibi", "--token", "3")
+    assert code == 0, err
+    assert re.search(r"biased_scores +\(4, 6, 6\)", out) and "rotated_queries" not in out
+    assert "\n  biased_scores\n" in out.split("walk: token 3")[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["trace", "--window", "3"], "--window: expected only with --kind gqa, got --kind self"),
+        (["trace", "--kind", "causal", "--alibi"], "--alibi: expected only with --kind gqa"),
+        (["trace", "--kind", "gqa", "--kv-heads", "3"], "num_kv_heads: expected a divisor"),
+        (["trace", "--kind", "gqa", "--d-out", "2", "--heads", "2"], "at least 2 features"),
+        (
+            ["plot", "--kind", "gqa", "--stage", "biased_scores", "-o", "x.png"],
+            "biased_scores only with --alibi",
+        ),
+        (
+            ["plot", "--kind", "self", "--stage", "biased_scores", "-o", "x.png"],
+            "biased_scores needs --kind gqa --alibi",
+        ),
+        (
+            ["plot", "--kind", "multihead", "--stage", "masked_scores", "-o", "x.png"],
+            "masked_scores needs --kind causal, causal-multihead or gqa",
+        ),
+    ],
+)
+def test_gqa_options_are_refused_where_they_make_no_sense(capsys, tmp_path, argv, message):
+    argv = [str(tmp_path / a) if a.endswith(".png") else a for a in argv]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_plot_gqa_heatmaps_and_pipeline(capsys, tmp_path):
+    for argv in (
+        ["--alibi", "--stage", "biased_scores"],
+        ["--window", "3", "--stage", "masked_scores"],
+        ["--pipeline"],
+    ):
+        target = tmp_path / f"{len(list(tmp_path.iterdir()))}.png"
+        code, _, err = run_cli(capsys, "plot", "--kind", "gqa", *argv, "-o", str(target))
+        assert code == 0, err
+        assert target.read_bytes().startswith(b"\x89PNG")
 
 
 # --- check ---------------------------------------------------------------------------------------

@@ -123,15 +123,71 @@ def _add_input(p: argparse.ArgumentParser, *, token: bool = True) -> None:
 
 
 def _add_module(p: argparse.ArgumentParser) -> None:
-    """--kind, --seed, --d-out and --heads: the reference module that trace and plot build."""
-    from .demo import TRACE_KINDS
+    """--kind, --seed, --d-out, --heads and gqa's options: the module trace and plot build."""
+    from .demo import GQA_DEFAULTS, TRACE_KINDS
 
-    p.add_argument("--kind", choices=TRACE_KINDS, default="self", help="default: self")
-    p.add_argument("--seed", type=_seed, default=123, help="torch.manual_seed (default 123)")
-    p.add_argument("--d-out", type=_int_at_least(1), default=2, metavar="N", help="default 2")
     p.add_argument(
-        "--heads", type=_int_at_least(1), default=2, metavar="N", help="multi-head only; default 2"
+        "--kind",
+        choices=TRACE_KINDS,
+        default="self",
+        help="default: self; gqa is a causal GroupedQueryAttention with rotary embeddings",
     )
+    p.add_argument("--seed", type=_seed, default=123, help="torch.manual_seed (default 123)")
+    p.add_argument(
+        "--d-out",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"default 2 (gqa: {GQA_DEFAULTS['d_out']})",
+    )
+    p.add_argument(
+        "--heads",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"multi-head and gqa only; default 2 (gqa: {GQA_DEFAULTS['heads']})",
+    )
+    g = p.add_argument_group("gqa (GroupedQueryAttention) only")
+    g.add_argument(
+        "--kv-heads",
+        type=_int_at_least(1),
+        metavar="N",
+        help="key/value heads, a divisor of --heads (default: half of them, or all of an "
+        "odd count)",
+    )
+    g.add_argument(
+        "--window",
+        type=_int_at_least(1),
+        metavar="N",
+        help="a sliding window: each query sees its last N keys, itself included",
+    )
+    g.add_argument(
+        "--alibi", action="store_true", help="ALiBi's per-head bias instead of rotary embeddings"
+    )
+
+
+def _module_options(args) -> dict:
+    """make_trace's sizes and options from --d-out, --heads and gqa's options."""
+    if args.kind != "gqa":
+        given = [
+            flag
+            for flag, value in (
+                ("--kv-heads", args.kv_heads),
+                ("--window", args.window),
+                ("--alibi", args.alibi),
+            )
+            if value not in (None, False)
+        ]
+        if given:
+            raise AttnScopeError(
+                f"{', '.join(given)}: expected only with --kind gqa, got --kind {args.kind}"
+            )
+    return {
+        "seed": args.seed,
+        "d_out": args.d_out,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "window": args.window,
+        "alibi": args.alibi,
+    }
 
 
 def _add_force(p: argparse.ArgumentParser) -> None:
@@ -160,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kind",
         choices=(*DEMO_KINDS, "all"),
         help="one part of the walk, or all of them (default: simplified then self; "
-        "causal-multihead is the book's MultiHeadAttention, multihead has no causal mask)",
+        "causal-multihead is the book's MultiHeadAttention, multihead has no causal mask; "
+        "rope and gqa walk rotary embeddings and grouped-query attention)",
     )
     demo.add_argument("--seed", type=_seed, help="seed for the modules (default: the book's)")
     _add_input(demo)
@@ -346,7 +403,7 @@ def _cmd_trace(args) -> int:
 
     html = _claim(args, args.html) if args.html else None
     x, labels, _ = _load(args)
-    tr = make_trace(args.kind, x, labels=labels, seed=args.seed, d_out=args.d_out, heads=args.heads)
+    tr = make_trace(args.kind, x, labels=labels, **_module_options(args))
     token = default_token(tr.dims.tokens, args.token, name="--token", negative=False)
     checks = [c.as_tuple() for c in trace_checks(tr, token)]
     _emit(trace_text(tr, token=token, checks=checks))
@@ -378,15 +435,21 @@ def _cmd_plot(args) -> int:
             "--pipeline draws the whole pipeline; --stage and --highlight are for heatmaps"
         )
     stage = args.stage or "weights"
-    if args.kind != "simplified" and stage not in [s.value for s in stages_for_kind(args.kind)]:
-        raise AttnScopeError(
-            f"--stage: a {args.kind} trace has no {stage}; masked_scores needs --kind causal "
-            "or causal-multihead"
-        )
+    if args.kind == "gqa":
+        if stage == "biased_scores" and not args.alibi:
+            raise AttnScopeError(
+                "--stage: a gqa trace has biased_scores only with --alibi (the ALiBi bias)"
+            )
+    elif args.kind != "simplified" and stage not in [s.value for s in stages_for_kind(args.kind)]:
+        needs = {
+            "biased_scores": "--kind gqa --alibi",
+            "masked_scores": "--kind causal, causal-multihead or gqa",
+        }[stage]
+        raise AttnScopeError(f"--stage: a {args.kind} trace has no {stage}; {stage} needs {needs}")
     if args.kind == "simplified" and stage not in ("scores", "weights"):
         raise AttnScopeError(f"--stage: simplified attention has scores and weights, not {stage}")
     x, labels, _ = _load(args)
-    tr = make_trace(args.kind, x, labels=labels, seed=args.seed, d_out=args.d_out, heads=args.heads)
+    tr = make_trace(args.kind, x, labels=labels, **_module_options(args))
     if args.highlight is not None:
         row, col = args.highlight
         t = tr.dims.tokens

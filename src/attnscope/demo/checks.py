@@ -85,9 +85,13 @@ def book(name: str, actual: torch.Tensor) -> Check:
 
 
 def rows_are_distributions(
-    weights: torch.Tensor, logits: torch.Tensor | None = None, causal: bool = False
+    weights: torch.Tensor,
+    logits: torch.Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
 ) -> Check:
-    """Weights positive (zero exactly on masked keys when causal) and each row sums to 1.
+    """Weights positive (zero exactly on masked keys when causal, and outside a sliding
+    ``window``) and each row sums to 1.
 
     ``logits`` are what the softmax was given: a weight whose logit is more than
     :data:`EXP_RANGE` below its row's largest may underflow float32 to exactly 0, so it
@@ -100,7 +104,14 @@ def rows_are_distributions(
     else:
         representable = logits > logits.max(-1, keepdim=True).values - EXP_RANGE
     sign_ok = bool((w >= 0).all() and (w[representable] > 0).all())
-    if causal:
+    if causal and window is not None:
+        hidden = AF.sliding_window_mask(w.shape[-1], window)
+        sign_ok = sign_ok and bool((w[..., hidden] == 0).all())
+        name = (
+            f"weights are zero above the diagonal and outside the window of {window}, "
+            "positive elsewhere, and each row sums to 1"
+        )
+    elif causal:
         above = AF.causal_mask(w.shape[-1])
         sign_ok = sign_ok and bool((w[..., above] == 0).all())
         name = "weights are zero above the diagonal, positive elsewhere, and each row sums to 1"
@@ -118,8 +129,8 @@ def rows_are_distributions(
 
 
 def logits(tr: Trace) -> torch.Tensor:
-    """What the trace's softmax was given: masked, else scaled, else raw scores."""
-    for name in ("masked_scores", "scaled_scores", "scores"):
+    """What the trace's softmax was given: masked, else biased, else scaled, else raw scores."""
+    for name in ("masked_scores", "biased_scores", "scaled_scores", "scores"):
         if name in tr:
             return tr[name]
     raise AssertionError("every trace has scores")

@@ -31,12 +31,16 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
+    "alibi_slopes_of",
     "heatmap",
+    "key_labels",
+    "layer_features",
     "pipeline_figure",
     "matrix_figure",
     "stage_panels",
     "trace_name",
     "value_range",
+    "window_of",
     "Panel",
     "figure_bytes",
 ]
@@ -365,6 +369,63 @@ def trace_name(trace: Trace) -> str:
     return f"{type(trace.module).__name__} ({trace.kind})"
 
 
+def key_labels(trace: Trace) -> tuple[str, ...]:
+    """The labels of the keys: the tokens' own, or for cross-attention the positions of the
+    sequence attended to (``ctx 0``, ``ctx 1``, ...)."""
+    s = trace.dims.key_tokens
+    return trace.labels if s is None else tuple(f"ctx {j}" for j in range(s))
+
+
+def window_of(trace: Trace) -> int | None:
+    """The sliding window of the traced layer (keys ``window`` or more back hidden), or None."""
+    window = getattr(trace.module, "window", None)
+    return window if isinstance(window, int) and "masked_scores" in trace else None
+
+
+def alibi_slopes_of(trace: Trace) -> list[float] | None:
+    """The traced layer's ALiBi slopes, one per head, or None when it adds no ALiBi bias."""
+    slopes = getattr(trace.module, "alibi_slopes", None)
+    if not getattr(trace.module, "alibi", False) or not isinstance(slopes, torch.Tensor):
+        return None
+    return [float(v) for v in slopes.flatten().tolist()]
+
+
+def slope_text(slope: float) -> str:
+    """``1/2``, ``1/256`` for ALiBi's powers of two; 3 significant digits otherwise."""
+    inverse = 1.0 / slope if slope else 0.0
+    if inverse >= 1 and float(inverse).is_integer() and math.log2(inverse).is_integer():
+        return f"1/{int(inverse)}"
+    return f"{slope:.3g}"
+
+
+def layer_features(trace: Trace) -> list[str]:
+    """What a modern layer adds to the book's pipeline, in words: grouped key/value heads,
+    QK norm, rotary embeddings, ALiBi, a sliding window, cross-attention (empty for the
+    book's layers)."""
+    module, d = trace.module, trace.dims
+    out = []
+    if d.kv_heads is not None and d.num_heads:
+        out.append(f"{d.kv_heads} kv heads, each shared by {d.num_heads // d.kv_heads} query heads")
+    norm = getattr(module, "qk_norm", None)
+    if isinstance(norm, str):
+        out.append(f"QK norm ({norm})")
+    if "rotated_queries" in trace:
+        pairing = getattr(module, "rope_pairing", "half")
+        freqs = getattr(module, "inv_freq", None)
+        rot = 2 * freqs.shape[0] if isinstance(freqs, torch.Tensor) else d.head_dim
+        part = "" if rot == d.head_dim else f", {rot} of {d.head_dim} features"
+        out.append(f"RoPE ({pairing} pairing{part})")
+    slopes = alibi_slopes_of(trace)
+    if slopes is not None:
+        out.append(f"ALiBi (slopes {slope_text(slopes[0])} .. {slope_text(slopes[-1])})")
+    window = window_of(trace)
+    if window is not None:
+        out.append(f"sliding window of {window} keys")
+    if d.key_tokens is not None:
+        out.append(f"cross-attention to {d.key_tokens} tokens")
+    return out
+
+
 def _batch_index(trace: Trace, batch: object) -> int | None:
     """``batch`` checked against the trace: the sequence to draw, or None when unbatched."""
     if trace.dims.batch is None:
@@ -399,7 +460,9 @@ def _matrix_stage(trace: Trace, stage: str | Stage) -> Stage:
     return st
 
 
-def _check_highlight(highlight: object, tokens: int) -> tuple[int, int] | None:
+def _check_highlight(
+    highlight: object, tokens: int, keys: int | None = None
+) -> tuple[int, int] | None:
     if highlight is None:
         return None
     if not isinstance(highlight, Sequence) or isinstance(highlight, str) or len(highlight) != 2:
@@ -407,7 +470,7 @@ def _check_highlight(highlight: object, tokens: int) -> tuple[int, int] | None:
             f"highlight: expected a (query, key) pair of positions, got {describe(highlight)}"
         )
     q = check_token_index(highlight[0], tokens, name="highlight query")
-    k = check_token_index(highlight[1], tokens, name="highlight key")
+    k = check_token_index(highlight[1], tokens if keys is None else keys, name="highlight key")
     return q, k
 
 
@@ -430,9 +493,16 @@ def panels_of(trace: Trace, st: Stage, batch: int | None) -> list[Panel]:
     values = values.reshape(-1, *values.shape[-2:])  # (H or 1, T, T)
     mask = mask.reshape(values.shape)
     group = "weights" if st is Stage.WEIGHTS else "scores"
+    titles = ["" if heads is None else f"head {h}" for h in range(values.shape[0])]
+    kv = trace.dims.kv_heads
+    if kv is not None and heads is not None:  # grouped: say which kv head each one reads
+        titles = [f"{t} (kv head {h // (heads // kv)})" for h, t in enumerate(titles)]
+    slopes = alibi_slopes_of(trace)
+    if slopes is not None and st.order >= Stage.BIASED_SCORES.order and heads is not None:
+        titles = [f"{t}, ALiBi slope {slope_text(s)}" for t, s in zip(titles, slopes, strict=True)]
     return [
         Panel(
-            "" if heads is None else f"head {h}",
+            titles[h],
             values[h].numpy(),
             mask[h].numpy(),
             group=group,
@@ -457,7 +527,8 @@ def heatmap(
 
     Args:
         trace: a :class:`~attnscope.Trace`.
-        stage: ``scores``, ``scaled_scores``, ``masked_scores`` or ``weights``.
+        stage: ``scores``, ``scaled_scores``, ``biased_scores``, ``masked_scores`` or
+            ``weights``.
         path: write the picture there; ``.png`` or ``.svg``.
         highlight: ``(query, key)`` cell to outline, e.g. ``(1, 1)``: the second query
             against key 1.
@@ -466,8 +537,10 @@ def heatmap(
         overwrite: replace an existing ``path``.
 
     Masked cells (``-inf`` scores, and the zero weights they give in a causal trace) are
-    drawn hatched grey, not as colours. Multi-head traces get one panel per head, on a
-    shared colour scale.
+    drawn hatched grey, not as colours: the future, and the keys outside a sliding window
+    (the legend says so when the layer has one). Multi-head traces get one panel per head,
+    on a shared colour scale; an ALiBi layer's panels name each head's slope from
+    ``biased_scores`` on, and the title says what the bias is.
 
     Returns:
         the :class:`matplotlib.figure.Figure`.
@@ -477,7 +550,7 @@ def heatmap(
     if path is not None:  # refuse a bad name before drawing anything
         _format_for(path)
         refuse_existing(path, overwrite)
-    cell = _check_highlight(highlight, trace.dims.tokens)
+    cell = _check_highlight(highlight, trace.dims.tokens, len(key_labels(trace)))
     fig = draw_heatmap(trace, st, cell, _batch_index(trace, batch), annotate)
     _save(fig, path, overwrite)
     return fig
@@ -499,18 +572,33 @@ def draw_heatmap(
         q, k = cell
         title += (
             f"\nhighlighted: query “{trace.labels[q]}” (row {q}), "
-            f"key “{trace.labels[k]}” (column {k})"
+            f"key “{key_labels(trace)[k]}” (column {k})"
         )
-    masked_note = "masked: key after the query" if st is Stage.WEIGHTS else "masked (-inf)"
+    slopes = alibi_slopes_of(trace)
+    if slopes is not None and st.order >= Stage.BIASED_SCORES.order:
+        title += "\nALiBi bias added to the scaled scores: −slope × |query − key| per head"
+    masked_note = masked_note_of(trace, st)
     return matrix_figure(
         panels_of(trace, st, batch),
         rows=trace.labels,
-        cols=trace.labels,
+        cols=key_labels(trace),
         title=title,
         annotate=annotate,
         highlight=cell,
         masked_note=masked_note,
     )
+
+
+def masked_note_of(trace: Trace, st: Stage) -> str:
+    """The legend of a heatmap's hatched cells: the future, and the window when there is one."""
+    window = window_of(trace)
+    if st is Stage.WEIGHTS:
+        hidden = "masked: key after the query"
+    else:
+        hidden = "masked (-inf): key after the query"
+    if window is None:
+        return hidden if st is Stage.WEIGHTS else "masked (-inf)"
+    return f"{hidden} or outside the window (keys {window} or more back)"
 
 
 # --- the pipeline diagram -------------------------------------------------------------------
@@ -589,7 +677,7 @@ def _weight_box(module: Any, name: str, row: int) -> _Box:
 
 
 def _pipeline_boxes(trace: Trace, batch: int | None) -> list[_Box]:
-    heads = trace.dims.num_heads
+    heads, kv = trace.dims.num_heads, trace.dims.kv_heads
 
     def values(name: str) -> torch.Tensor:
         v = _select(trace[name], batch)
@@ -597,7 +685,10 @@ def _pipeline_boxes(trace: Trace, batch: int | None) -> list[_Box]:
 
     def box(name: str, title: str, sub: str, fill: str, col: int, row: int) -> _Box:
         shown = values(name)
-        note = f"head 0 of {heads}" if heads is not None and name != "output" else ""
+        note = ""
+        if heads is not None and name != "output":
+            shared = kv is not None and name.endswith(("keys", "values"))
+            note = f"kv head 0 of {kv}" if shared else f"head 0 of {heads}"
         return _Box(name, title, sub, tuple(trace[name].shape), shown, fill, col, row, note)
 
     x = _select(trace.inputs, batch)
@@ -618,6 +709,7 @@ def _pipeline_boxes(trace: Trace, batch: int | None) -> list[_Box]:
             box("context", "context Z", "weights @ X", "context", 2, 1),
         ]
     split = f", split into {heads} heads" if heads else ""
+    kv_split = split if kv is None else f", split into {kv} kv head{'s' if kv > 1 else ''}"
     d_k = trace["keys"].shape[-1]
     boxes = [
         _Box("inputs", "inputs X", "one row per token", tuple(trace.inputs.shape), x, "input", 0, 1)
@@ -626,29 +718,65 @@ def _pipeline_boxes(trace: Trace, batch: int | None) -> list[_Box]:
         [("W_query", "queries"), ("W_key", "keys"), ("W_value", "values")]
     ):
         boxes.append(_weight_box(trace.module, w, row))
-        boxes.append(box(name, name, f"x @ {w}{split}", "proj", 2, row))
+        source = "context" if row and trace.dims.key_tokens is not None else "x"  # cross
+        sub = f"{source} @ {w}{split if row == 0 else kv_split}"
+        boxes.append(box(name, name, sub, "proj", 2, row))
+    col = 2  # the last column of queries and keys
+    for step, sub in _qk_steps(trace):
+        col += 1
+        for row, name in enumerate((f"{step}_queries", f"{step}_keys")):
+            boxes.append(box(name, name, sub, "proj", col, row))
+    scores_sub = "queries @ keys.T"
+    if kv is not None and heads:
+        scores_sub += f", head h with kv head h // {heads // kv}"
     boxes += [
-        box("scores", "scores", "queries @ keys.T", "scores", 3, 0),
+        box("scores", "scores", scores_sub, "scores", col + 1, 0),
         box(
             "scaled_scores",
             "scaled_scores",
             f"scores / √d_k = scores / {d_k**0.5:.3g}",
             "scores",
-            4,
+            col + 2,
             0,
         ),
     ]
+    chain_col = col + 2
+    if "biased_scores" in trace:
+        chain_col += 1
+        bias = "+ ALiBi: −slope × |query − key|" if alibi_slopes_of(trace) else "+ position bias"
+        boxes.append(box("biased_scores", "biased_scores", bias, "scores", chain_col, 0))
     if "masked_scores" in trace:
-        boxes.append(
-            box("masked_scores", "masked_scores", "keys after the query: -inf", "scores", 5, 0)
-        )
+        chain_col += 1
+        window = window_of(trace)
+        hidden = "keys after the query: -inf"
+        if window is not None:
+            hidden = f"after the query or {window}+ back: -inf"
+        boxes.append(box("masked_scores", "masked_scores", hidden, "scores", chain_col, 0))
     boxes += [
-        box("weights", "weights", "softmax over keys (dim=-1)", "scores", 4, 2),
-        box("context", "context Z", "weights @ values", "context", 3, 2),
+        box("weights", "weights", "softmax over keys (dim=-1)", "scores", col + 2, 2),
+        box("context", "context Z", "weights @ values", "context", col + 1, 2),
     ]
     if "output" in trace:
-        boxes.append(box("output", "output", "heads merged, out_proj", "context", 3, 3))
+        boxes.append(box("output", "output", "heads merged, out_proj", "context", col + 1, 3))
     return boxes
+
+
+def _qk_steps(trace: Trace) -> list[tuple[str, str]]:
+    """What a modern layer does to queries and keys between the projection and the scores:
+    ``(stage prefix, subtitle)`` for the norm and the rotation it has, in order."""
+    steps = []
+    if "normed_queries" in trace:
+        where = getattr(trace.module, "qk_norm", None)
+        over = "over the whole projection" if where == "full" else "per head"
+        steps.append(("normed", f"RMSNorm {over} (q_norm, k_norm)"))
+    if "rotated_queries" in trace:
+        pairing = getattr(trace.module, "rope_pairing", "half")
+        freqs = getattr(trace.module, "inv_freq", None)
+        d = trace.dims.head_dim
+        rot = 2 * freqs.shape[0] if isinstance(freqs, torch.Tensor) else d
+        part = "" if rot == d else f", first {rot} of {d}"
+        steps.append(("rotated", f"RoPE: pairs turned by position ({pairing}{part})"))
+    return steps
 
 
 def _measure(fig: Figure, texts: Sequence[Any]) -> list[tuple[float, float]]:
@@ -751,13 +879,19 @@ def _connect(ax: Any, boxes: dict[str, _Box]) -> None:
         w = boxes[w_name]
         _arrow(ax, inputs.right(), (elbow, inputs.cy), (elbow, w.cy), w.left())
         across(w, boxes[name])
-    scores, keys = boxes["scores"], boxes["keys"]
-    across(boxes["queries"], scores)
-    _arrow(ax, keys.right(), (scores.cx, keys.cy), scores.bottom())
-    chain = [boxes[k] for k in ("scaled_scores", "masked_scores") if k in boxes]
+    scores = boxes["scores"]
+    for side in ("queries", "keys"):  # through the norm and the rotation, when there
+        path = [boxes[k] for k in (side, f"normed_{side}", f"rotated_{side}") if k in boxes]
+        for a, b in zip(path, path[1:], strict=False):
+            across(a, b)
+        if side == "queries":
+            across(path[-1], scores)
+        else:
+            _arrow(ax, path[-1].right(), (scores.cx, path[-1].cy), scores.bottom())
+    chain = [boxes[k] for k in ("scaled_scores", "biased_scores", "masked_scores") if k in boxes]
     across(scores, chain[0])
-    if len(chain) == 2:
-        across(*chain)
+    for a, b in zip(chain, chain[1:], strict=False):
+        across(a, b)
     last, weights, context = chain[-1], boxes["weights"], boxes["context"]
     if last.col == weights.col:
         _arrow(ax, last.bottom(), weights.top())
@@ -779,11 +913,13 @@ def pipeline_figure(
 ) -> Figure:
     """The seed's pipeline diagram, drawn from a real trace.
 
-    ``X -> W_query/W_key/W_value -> queries, keys, values -> scores -> scaled_scores ->
+    ``X -> W_query/W_key/W_value -> queries, keys, values -> [normed_queries, normed_keys]
+    -> [rotated_queries, rotated_keys] -> scores -> scaled_scores -> [biased_scores] ->
     [masked_scores] -> weights -> context (Z) -> [output]``: every box carries its stage
     name, the operation that made it, its real shape and, when at most 8 x 8, its real
-    values (sequence ``batch``; head 0 of multi-head stages). Simplified attention has no
-    projections: the inputs serve as queries, keys and values.
+    values (sequence ``batch``; head 0 of multi-head stages, kv head 0 of grouped keys and
+    values). Simplified attention has no projections: the inputs serve as queries, keys
+    and values.
 
     Args:
         trace: a :class:`~attnscope.Trace`.
@@ -828,6 +964,9 @@ def pipeline_figure(
     sizes = f"{d.tokens} tokens, d_in={d.d_in}, d_out={d.d_out}"
     if d.num_heads:
         sizes += f", {d.num_heads} heads of {d.head_dim}"
+    features = layer_features(trace)
+    if features:
+        sizes += "; " + ", ".join(features)
     if d.batch is not None:
         sizes += f"; values of sequence {batch} of {d.batch}"
     ax.text(

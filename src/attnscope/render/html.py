@@ -36,14 +36,20 @@ from .figures import (
     MATRIX_STAGES,
     Panel,
     _require_matplotlib,
+    alibi_slopes_of,
     draw_heatmap,
     figure_bytes,
+    key_labels,
+    layer_features,
+    masked_note_of,
     matrix_figure,
     panels_of,
     pipeline_figure,
     refuse_existing,
+    slope_text,
     trace_name,
     value_range,
+    window_of,
 )
 from .files import write_output
 
@@ -267,9 +273,26 @@ def _checks_table(checks: Iterable[tuple[str, bool, str]]) -> str:
     return "".join(rows)
 
 
+def _stage_note(trace: Trace, st: Stage) -> str:
+    """What a heatmap of ``st`` shows beyond its rule: the ALiBi bias and the window's
+    hidden cells (plain text; escape it)."""
+    notes = []
+    slopes = alibi_slopes_of(trace)
+    if slopes is not None and st is Stage.BIASED_SCORES:
+        listed = ", ".join(slope_text(v) for v in slopes)
+        notes.append(
+            f"ALiBi: head h adds −slope_h × |query − key| to its scaled scores, slopes {listed}"
+        )
+    elif slopes is not None and st.order > Stage.BIASED_SCORES.order:
+        notes.append("the ALiBi bias included")
+    if window_of(trace) is not None and st in (Stage.MASKED_SCORES, Stage.WEIGHTS):
+        notes.append("hatched: " + masked_note_of(trace, st).split(": ", 1)[1])
+    return "; ".join(notes)
+
+
 def _heatmaps(trace: Trace, figures: bool) -> str:
     tokens = trace.dims.tokens
-    cell = (1, 1) if tokens >= 2 else None
+    cell = (1, 1) if min(tokens, len(key_labels(trace))) >= 2 else None
     first = None if trace.dims.batch is None else 0  # pictures show sequence 0
     parts = []
     if figures:
@@ -282,9 +305,10 @@ def _heatmaps(trace: Trace, figures: bool) -> str:
         for st in MATRIX_STAGES:
             if st.value in trace:
                 fig = draw_heatmap(trace, st, cell, first)
+                note = _stage_note(trace, st)
                 caption = (
                     f"<code>{st.value}</code>: rows are queries, columns are keys; "
-                    f"{escape(st.rule)}."
+                    f"{escape(st.rule)}" + (f"; {escape(note)}." if note else ".")
                 )
                 parts.append(_figure(fig, f"heatmap of {st.value}", "heatmap", caption))
         parts.append("</div>")
@@ -304,11 +328,14 @@ def _heatmaps(trace: Trace, figures: bool) -> str:
             table = _matrix_table(
                 panel.values,
                 rows=trace.labels,
-                cols=trace.labels,
+                cols=key_labels(trace),
                 group="weights" if st is Stage.WEIGHTS else "values",
                 mask=panel.mask,
             )
             parts.append(f"<h3><code>{escape(title)}</code> (rows: queries, columns: keys)</h3>")
+            note = _stage_note(trace, st)
+            if note:
+                parts.append(f'<p class="note">{escape(note)}</p>')
             parts.append(table)
     return "".join(parts)
 
@@ -324,11 +351,12 @@ def _rows(vec: torch.Tensor | None, name: str, width: int) -> list[tuple[str, np
 
 
 def _per_key_table(w: QueryWalk, labels: Sequence[str]) -> str:
-    """One query's scores, scaled and masked scores and weights, one column per key."""
+    """One query's scores, scaled, biased and masked scores and weights, one column per key."""
     t = len(labels)
     per_key = [
         *_rows(w.scores, "scores", t),
         *_rows(w.scaled_scores, "scaled_scores", t),
+        *_rows(w.biased_scores, "biased_scores", t),
         *_rows(w.masked_scores, "masked_scores", t),
     ]
     weights = _rows(w.weights, "weights", t)
@@ -347,10 +375,10 @@ def _per_key_table(w: QueryWalk, labels: Sequence[str]) -> str:
 
 def _walk(trace: Trace, w: QueryWalk) -> str:
     """The seed's single-query computation for one token, step by step."""
-    t = trace.dims.tokens
+    t = len(key_labels(trace))
     keys_table = f'<p class="note">{t} keys: too many to list; see the heatmaps.</p>'
     if t <= LIST_MAX:
-        keys_table = _per_key_table(w, trace.labels)
+        keys_table = _per_key_table(w, key_labels(trace))
     width = w.context.shape[-1]
     vectors = [
         *_rows(w.context, "context of this query alone", width),
@@ -420,12 +448,17 @@ def trace_html(
     sizes = [f"{d.tokens} tokens", f"d_in={d.d_in}", f"d_out={d.d_out}"]
     if d.num_heads:
         sizes.append(f"{d.num_heads} heads of {d.head_dim}")
+    sizes += layer_features(trace)
     if d.batch is not None:
         sizes.append(f"batch of {d.batch} (pictures show sequence 0)")
     labels = ", ".join(f"<code>{escape(label)}</code>" for label in trace.labels)
+    module = (
+        "" if trace.module is None else f" (<code>{escape(type(trace.module).__name__)}</code>)"
+    )
     body = [
         f"<h1>{escape(title)}</h1>",
-        f'<p class="meta">kind <code>{escape(trace.kind)}</code> · {escape(", ".join(sizes))}</p>',
+        f'<p class="meta">kind <code>{escape(trace.kind)}</code>{module} · '
+        f"{escape(', '.join(sizes))}</p>",
         f'<p class="meta">tokens: {labels}</p>',
     ]
     if checks is not None:

@@ -26,6 +26,7 @@ from ..formatting import format_number as _num
 from ..formatting import format_values
 from ..stages import MATRIX_STAGES
 from ..trace import Trace
+from .figures import key_labels, layer_features
 
 if TYPE_CHECKING:
     from ..lesson import DemoResult, Step
@@ -206,6 +207,9 @@ def trace_text(
         f": {trace.kind} ({module}, d_in={dims.d_in}, d_out={dims.d_out}{heads}), "
         f"{dims.tokens} tokens{batch}",
     )
+    features = layer_features(trace)
+    if features:
+        out.line("layer: ", "; ".join(features))
     out.line("tokens: ", short_labels(trace.labels))
     table = out.table("stage", "predicted", "actual", "", "rule")
     for c in trace.shape_checks():
@@ -218,7 +222,7 @@ def trace_text(
         shown, where = _slice_for_display(trace, tensor)
         square = name in {s.value for s in MATRIX_STAGES}
         text = format_tensor(
-            shown, trace.labels, trace.labels if square else None, max_values=max_values
+            shown, trace.labels, key_labels(trace) if square else None, max_values=max_values
         )
         out.line()
         _block(out, f"{name} {_shape(tensor.shape)}{where}", text)
@@ -228,10 +232,12 @@ def trace_text(
         out.line(
             ("walk", "bold"), f": token {walk.token} ({walk.label!r}) alone, one query at a time"
         )
-        for name in ("query", "scores", "scaled_scores", "masked_scores", "weights", "context"):
+        names = ("query", "scores", "scaled_scores", "biased_scores", "masked_scores")
+        for name in (*names, "weights", "context"):
             value = getattr(walk, name)
             if value is not None:
-                cols = trace.labels if value.shape[-1] == dims.tokens and name != "query" else None
+                keys = key_labels(trace)
+                cols = keys if value.shape[-1] == len(keys) and name != "query" else None
                 rows = [f"head {h}" for h in range(dims.num_heads)] if dims.num_heads else None
                 _block(out, name, format_tensor(value, rows, cols, max_values=max_values))
         rows = [f"head {h}" for h in range(dims.num_heads)] if dims.num_heads else None
@@ -339,6 +345,8 @@ _PART_TITLES = {
     "causal": "Causal attention: no peeking at later tokens",
     "multihead": "Multi-head attention (causal=False: every token sees every token)",
     "causal-multihead": "Causal multi-head attention: the book's MultiHeadAttention",
+    "rope": "Rotary position embeddings (RoPE): queries and keys turned by their position",
+    "gqa": "Grouped-query attention: query heads share key/value heads (GroupedQueryAttention)",
 }
 
 
