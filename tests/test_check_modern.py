@@ -197,3 +197,35 @@ def test_a_turn_that_is_no_rotation_is_refused_not_judged():
 
     with pytest.raises(AttnScopeError, match="not supported yet"):
         check(Gain)
+
+
+OWN = {
+    "mqa": dict(num_kv_heads=1),
+    "interleaved": dict(num_kv_heads=2, rope_pairing="interleaved"),
+    "partial": dict(rope_fraction=0.5, rope_base=500_000.0),
+    "qk-norm-full": dict(num_kv_heads=2, qk_norm="full"),
+    "alibi-bidirectional": dict(alibi=True, causal=False),
+    "cross": dict(cross=True, num_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_every_variant_of_attnscopes_own_layer_passes_with_its_structure(name):
+    """The library's modern layer and the checker agree: each variant passes, read as built."""
+    kw = OWN[name]
+    layer = GroupedQueryAttention(32, 32, 4, **kw)
+    if layer.qk_norm:
+        with torch.no_grad():
+            layer.q_norm.weight.uniform_(0.5, 1.5)
+            layer.k_norm.weight.uniform_(0.5, 1.5)
+    report = check(lambda: layer)
+    assert report.ok, report.to_text(color=False)
+    s = report.structure
+    assert s["kv_heads"] == layer.num_kv_heads
+    assert s["cross"] is layer.cross and report.kind == layer.kind
+    assert (s["rope"] is not None) == layer.rope
+    assert s["qk_norm"] == layer.qk_norm
+    assert s["bias"] == ("alibi" if layer.alibi else None)
+    if layer.rope:
+        assert s["rope"]["pairing"] == layer.rope_pairing
+        assert s["rope"]["fraction"] == layer.rope_fraction

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import AttnScopeError, describe
 from ..stages import Kind, Stage
-from .alibi import Alibi, read_slopes
+from .alibi import Alibi, is_symmetric, read_slopes
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
 from .dataflow import Graph
@@ -251,8 +251,15 @@ class ModuleProbe:
         errors: list[str] = []
         widths = self._widths()
         # a second required input (cross-attention?): another sequence, of any width
-        others = widths if self.adapter["pair"] else [None]
-        for d, d2 in [(d, d2) for d in widths for d2 in others][:24]:
+        pair = self.adapter["pair"]
+        others = widths if pair else [None]
+        attempts = [(d, d2) for d in widths for d2 in others][:24]
+        if self.adapter.get("optional_second"):
+            # forward(x, context=None): a cross-attention layer may need its second input
+            attempts += [(d, d2) for d in widths[:2] for d2 in widths[:4]]
+        for d, d2 in attempts:
+            if d2 is not None:
+                self.adapter["pair"] = True
             batch = torch.randn(BATCH, tokens, d, generator=self.discovery_gen)
             for x in (batch, batch[0]):  # some take only (tokens, d)
                 other = None
@@ -283,6 +290,7 @@ class ModuleProbe:
                     self.entry = self._entry(st, rec, batch)
                     self.notes.append(f"the attention layer checked is {st.layer!r}")
                 return st
+        self.adapter["pair"] = pair
         if widths and errors:  # runs where nothing watches it? then it cannot be read
             x = torch.randn(BATCH, tokens, widths[0], generator=self.discovery_gen)
             out, err = self._invoke_root(x)
@@ -394,6 +402,7 @@ class ModuleProbe:
         return {
             "qkv": len(required) >= 3,
             "pair": len(required) == 2,
+            "optional_second": len(required) == 1 and len(params) >= 2,
             "seq_first": seq_first,
             "hf": hf,
             "hf_rope": False,
@@ -743,7 +752,8 @@ class ModuleProbe:
         if st is None or st.bias is None:
             return None
         seen = read_slopes(st.bias.tensor, st.bias.scores_shape, heads)
-        return Alibi(heads, st.bias.before_scale, seen)
+        symmetric = is_symmetric(st.bias.tensor, st.bias.scores_shape)
+        return Alibi(heads, st.bias.before_scale, seen, symmetric)
 
     def _unread_sequence_argument(self) -> str | None:
         """The name of a second required input named like another sequence (encoder

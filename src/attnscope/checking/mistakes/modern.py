@@ -287,7 +287,7 @@ def _bias_slopes(c: Context) -> list[Mutation]:
                 "bias_slopes",
                 Stage.BIASED_SCORES,
                 label,
-                bias=lambda heads, n, s=slopes: alibi_bias(s, n),
+                bias=lambda heads, n, s=slopes: alibi_bias(s, n, a.symmetric),
             )
         )
     return out
@@ -303,7 +303,7 @@ def _bias_sign(c: Context) -> list[Mutation]:
             "bias_sign",
             Stage.BIASED_SCORES,
             "the bias with its sign flipped: distant keys favoured",
-            bias=lambda h, n: -alibi_bias(a.slopes, n),
+            bias=lambda h, n: -alibi_bias(a.slopes, n, a.symmetric),
         ),
         Mutation(
             "bias_sign",
