@@ -57,9 +57,9 @@ def build(batch, tokens, d, heads, kv) -> tuple[dict[str, Callable], torch.Tenso
         book = llama3.GroupedQueryAttention(d, d, heads, kv).eval()
         for name in ("W_query", "W_key", "W_value", "out_proj"):
             getattr(book, name).load_state_dict(getattr(fast, name).state_dict())
-        cos, sin = llama3.compute_rope_params(hd, context_length=tokens)
+        book_cos, book_sin = llama3.compute_rope_params(hd, context_length=tokens)
         mask = torch.triu(torch.ones(tokens, tokens, dtype=torch.bool), diagonal=1)
-        impls["book"] = lambda x: book(x, mask, cos, sin)
+        impls["book"] = lambda x: book(x, mask, book_cos, book_sin)
     except ImportError:
         pass
     with torch.no_grad():
