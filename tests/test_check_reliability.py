@@ -10,6 +10,7 @@ import textwrap
 
 import jsonschema
 import pytest
+from conftest import ROOT
 
 from attnscope import AttnScopeError, check
 from attnscope.cli import build_parser, main
@@ -243,3 +244,42 @@ def test_a_feature_not_modelled_yet_is_refused_with_its_line(tmp_path, capsys):
     with pytest.raises(AttnScopeError, match=refused):
         check(f"{path}:Rotary")
     assert main(["check", f"{path}:Rotary"]) == 2
+
+
+SAME_NUMBERS_TWICE = """
+    import torch
+    from torch import nn
+
+    class Sloppy(nn.Module):
+        def __init__(self, d_in=3, d_out=2):
+            super().__init__()
+            self.W_query = nn.Linear(d_in, d_out, bias=False)
+            self.W_key = nn.Linear(d_in, d_out, bias=False)
+            self.W_value = nn.Linear(d_in, d_out, bias=False)
+
+        def forward(self, x):
+            queries = self.W_query(x)
+            keys = self.W_query(x)  # the slip
+            values = self.W_value(x)
+            w = torch.softmax(queries @ keys.transpose(-2, -1) / keys.shape[-1] ** 0.5, dim=-1)
+            return w @ values
+"""
+
+
+def test_the_line_named_is_the_one_that_made_the_wrong_stage(tmp_path):
+    """Keys made with W_query are the queries' numbers: the line named is the keys' own."""
+    path = tmp_path / "sloppy.py"
+    path.write_text(textwrap.dedent(SAME_NUMBERS_TWICE))
+    report = check(f"{path}:Sloppy")
+    assert report.first_failure.mistake == "wrong_projection"
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "the slip" in t)
+    assert report.first_failure.location == f"{path}:{line}"
+
+
+def test_the_scores_kind_predicts_one_score_per_token():
+    path = ROOT / "examples" / "gallery" / "correct" / "scores_matmul.py"
+    text = path.read_text()
+    name = text.split('"target": "')[1].split('"')[0]
+    report = check(f"{path}:{name}", kind="scores")
+    scores = next(c for c in report.checks if c.stage is Stage.SCORES)
+    assert scores.predicted == scores.actual and len(scores.predicted) == 1

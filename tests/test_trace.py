@@ -173,3 +173,16 @@ def test_trace_labels_are_made_text(inputs):
     assert tr.labels == ("10", "11", "12", "13", "14", "15")
     with pytest.raises(AttnScopeError, match="list of labels, got str"):
         attnscope.trace("simplified", inputs, labels="abcdef")
+
+
+def test_a_walk_reads_in_one_line():
+    """A notebook or REPL echoes a walk as one line: the query, the shapes, the verdict."""
+    torch.manual_seed(123)
+    t = attnscope.SelfAttentionV1(3, 2).trace(
+        attnscope.book_embeddings(), labels=attnscope.BOOK_TOKENS
+    )
+    text = repr(t.walk(1))
+    assert (
+        text.startswith("QueryWalk(token 1 'journey'") and "matches its batched row: True" in text
+    )
+    assert "\n" not in text

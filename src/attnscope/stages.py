@@ -151,7 +151,7 @@ class Dims:
     for single-head attention (then per-head stages have no head axis). ``kv_heads``
     (grouped heads: keys and values have fewer heads), ``head_size`` (a head width other
     than ``d_out // num_heads``) and ``key_tokens`` (cross-attention: keys from another
-    sequence) default to the plain case.
+    sequence) default to the plain case; ``one_query`` is the ``scores`` kind's single row.
     """
 
     tokens: int
@@ -162,6 +162,7 @@ class Dims:
     kv_heads: int | None = None
     head_size: int | None = None
     key_tokens: int | None = None
+    one_query: bool = False  # the ``scores`` kind: one query's scores, (T,)
 
     @property
     def head_dim(self) -> int:
@@ -185,6 +186,8 @@ class Dims:
             return (*lead, *kv, s, self.head_dim)
         if stage is Stage.OUTPUT:
             return (*lead, t, self.d_out)
+        if self.one_query:
+            return (*lead, *heads, s)
         return (*lead, *heads, t, s)
 
 

@@ -128,7 +128,7 @@ class ShapeCheck:
         return Stage(self.name)
 
 
-@dataclass
+@dataclass(repr=False)
 class QueryWalk:
     """The seed's single-query computation for one token, beside the batched row.
 
@@ -161,6 +161,19 @@ class QueryWalk:
     rounding: torch.Tensor | float = 0.0
     scores_match: bool = True
     biased_scores: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        """One line: which query, the shapes, and whether it equals its batched row (the
+        tensors themselves are attributes: ``walk.weights``, ``walk.context``, ...)."""
+        shown = ", ".join(
+            f"{name} {tuple(t.shape)}"
+            for name in ("query", "scores", "weights", "context")
+            if (t := getattr(self, name)) is not None
+        )
+        return (
+            f"QueryWalk(token {self.token} {self.label!r}: {shown}; matches its batched row: "
+            f"{self.matches}, largest difference {self.max_abs_diff:.1e})"
+        )
 
     @property
     def max_abs_diff(self) -> float:

@@ -186,7 +186,7 @@ class _FunctionCheck:
         if errors:
             self.notes.append("raised for some query indices: " + "; ".join(errors))
         x64 = x.double()
-        dims = Dims(tokens=n, d_in=x.shape[1], d_out=x.shape[1])
+        dims = Dims(tokens=n, d_in=x.shape[1], d_out=x.shape[1], one_query=True)
         refs = {Stage.QUERY: x64[queries[0]], Stage.SCORES: x64 @ x64[queries[0]]}
         ops = recs[0].ops
         found = {

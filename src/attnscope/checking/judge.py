@@ -506,16 +506,27 @@ class Judge:
         t = stages.get(mut.stage.value)
         ops = call.ops + call.sdpa_ops
         if t is not None and mut.stage is not Stage.OUTPUT:
-            f = find_stage(
-                ops,
-                mut.stage,
-                t,
-                batched=call.batched,
-                spec_scale=self.spec.scale,
-                causal=self.spec.causal,
-            )
-            if f is not None and f.location:
-                return f.location
+            # the same numbers may be made twice (keys made with W_query equal the queries):
+            # the line is the one whose tensor plays this stage's part in the computation
+            first = None
+            for _ in range(8):
+                f = find_stage(
+                    ops,
+                    mut.stage,
+                    t,
+                    batched=call.batched,
+                    spec_scale=self.spec.scale,
+                    causal=self.spec.causal,
+                )
+                if f is None:
+                    break
+                first = first or f
+                role = self.stage_of(call, f.op) if self.stage_of is not None else None
+                if role is None or role is mut.stage:
+                    return f.location or (first.location if first else None)
+                ops = [op for op in ops if op is not f.op]
+            if first is not None and first.location:
+                return first.location
         located = [op for op in call.ops if op.location]
         if mut.stage is Stage.OUTPUT and located:
             return located[-1].location

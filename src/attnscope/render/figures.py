@@ -78,7 +78,34 @@ def _new_figure(**kwargs: Any) -> Figure:
 
     fig = Figure(**kwargs)
     FigureCanvasAgg(fig)
+    _show_inline_in_notebooks()
     return fig
+
+
+def _show_inline_in_notebooks() -> None:
+    """In a Jupyter kernel, let a returned figure display as a picture.
+
+    IPython learns to draw figures when pyplot's inline backend starts; these figures never
+    touch pyplot, so without this a notebook would echo ``<Figure size ...>``. Registered
+    once, and only where no formatter for figures exists yet.
+    """
+    import sys
+
+    if "IPython" not in sys.modules:
+        return
+    from IPython import get_ipython
+    from matplotlib.figure import Figure
+
+    shell = get_ipython()
+    formatters = getattr(getattr(shell, "display_formatter", None), "formatters", {})
+    png = formatters.get("image/png")
+    if png is None:
+        return
+    try:
+        png.lookup_by_type(Figure)
+        return  # pyplot's inline backend (or the user) already draws figures
+    except KeyError:
+        png.for_type(Figure, lambda fig: figure_bytes(fig, "png"))
 
 
 def _format_for(path: str | Path) -> str:
