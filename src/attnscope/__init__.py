@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from . import functional, render  # noqa: F401  (render fills the table of renderers)
 from ._version import __version__
-from .checking import CheckReport, check
+from .checking import CheckReport, ModelReport, check
 from .errors import AttnScopeError
 from .examples import BOOK_TOKENS, TOY_TOKENS, book_embeddings, toy_scores
 from .grouped import GroupedQueryAttention
@@ -26,6 +26,7 @@ __all__ = [
     "Dims",
     "GroupedQueryAttention",
     "KINDS",
+    "ModelReport",
     "MultiHeadAttention",
     "QueryWalk",
     "SelfAttentionV1",

@@ -89,6 +89,21 @@ def _timeout(text: str) -> float | None:
     return value
 
 
+def _rows(text: str) -> list[int]:
+    """``--rows 0,4095``: query positions, comma-separated (checked against the tokens
+    once the input is loaded)."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        rows = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected query positions separated by commas, like 0,4095, got {text!r}"
+        ) from None
+    if any(r < 0 for r in rows):
+        raise argparse.ArgumentTypeError(f"expected positions from 0, got {text!r}")
+    return rows
+
+
 def _highlight(text: str) -> tuple[int, int]:
     parts = text.split(",")
     try:
@@ -233,6 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_module(tr)
     _add_input(tr)
+    tr.add_argument(
+        "--rows",
+        type=_rows,
+        metavar="I,J",
+        help="a row trace: keep the scores and weights of these queries only (from 0, "
+        "comma-separated), computed without the tokens x tokens matrix; the context in "
+        "linear memory, with every query's summary",
+    )
     tr.add_argument("--html", metavar="FILE", help="also write an HTML report")
     _add_force(tr)
     tr.set_defaults(func=_cmd_trace)
@@ -403,8 +426,21 @@ def _cmd_trace(args) -> int:
 
     html = _claim(args, args.html) if args.html else None
     x, labels, _ = _load(args)
-    tr = make_trace(args.kind, x, labels=labels, **_module_options(args))
-    token = default_token(tr.dims.tokens, args.token, name="--token", negative=False)
+    rows = None
+    if args.rows is not None:
+        from .functional import check_rows
+
+        rows = list(check_rows(args.rows, x.shape[-2], name="--rows"))
+        if args.token is not None and args.token not in rows:
+            raise AttnScopeError(
+                f"--token: expected one of --rows {','.join(map(str, rows))} (a row trace "
+                f"walks a chosen query), got {args.token}"
+            )
+    tr = make_trace(args.kind, x, labels=labels, rows=rows, **_module_options(args))
+    if rows is not None and args.token is None:
+        token = rows[0]
+    else:
+        token = default_token(tr.dims.tokens, args.token, name="--token", negative=False)
     checks = [c.as_tuple() for c in trace_checks(tr, token)]
     _emit(trace_text(tr, token=token, checks=checks))
     if html is not None:

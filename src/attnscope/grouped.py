@@ -293,15 +293,15 @@ class GroupedQueryAttention(Traceable):
             x = x.unsqueeze(0)
             context = None if context is None else context.unsqueeze(0)
         q, k, v = self._queries_keys_values(x, context, offset, record)
-        ctx = AF.attend(
+        ctx = self._attend(
             q,
             k,
             v,
+            record,
             causal=self.causal,
             window=self.window,
-            bias=self._bias(q.shape[-2], k.shape[-2], q),
+            slopes=self.alibi_slopes if self.alibi else None,
             dropout=self.dropout,
-            record=record,
         )
         out = self.out_proj(AF.merge_heads(ctx))  # (B, T, d_out)
         if record is not None:
@@ -357,12 +357,14 @@ class GroupedQueryAttention(Traceable):
         """``(H, 1, S)`` the bias row of the query at ``position``, or None."""
         if not self.alibi:
             return None
-        return AF.alibi_bias(self.alibi_slopes, keys, keys)[:, position : position + 1]
+        # row ``position`` of alibi_bias(slopes, keys, keys), built alone (no (H, T, T))
+        distance = (torch.arange(keys, dtype=torch.float64) - position).abs()
+        return (-self.alibi_slopes.to(torch.float64)[:, None] * distance).unsqueeze(1)
 
     def _walk_hidden(self, position: int, keys: int) -> torch.Tensor | None:
         """``(1, S)`` the keys hidden from the query at ``position``, or None."""
         if not self.causal:
             return None
-        if self.window is None:
-            return AF.causal_mask(keys)[position : position + 1]
-        return AF.sliding_window_mask(keys, self.window)[position : position + 1]
+        back = position - torch.arange(keys)  # row ``position`` of the (T, S) masks, alone
+        hidden = back < 0 if self.window is None else (back < 0) | (back >= self.window)
+        return hidden.unsqueeze(0)

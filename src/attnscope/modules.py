@@ -52,7 +52,7 @@ class SelfAttentionV1(Traceable):
         queries, keys, values = x @ self.W_query, x @ self.W_key, x @ self.W_value
         if record is not None:
             record.update(queries=queries, keys=keys, values=values)
-        return AF.attend(queries, keys, values, record=record)
+        return self._attend(queries, keys, values, record)
 
     @classmethod
     def from_v2(cls, v2: SelfAttentionV2) -> SelfAttentionV1:
@@ -96,7 +96,7 @@ class SelfAttentionV2(Traceable):
         return queries, keys, values
 
     def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
-        return AF.attend(*self._project(x, record), record=record)
+        return self._attend(*self._project(x, record), record)
 
     @classmethod
     def from_v1(cls, v1: SelfAttentionV1) -> SelfAttentionV2:
@@ -132,12 +132,8 @@ class CausalAttention(SelfAttentionV2):
         )
 
     def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
-        return AF.attend(
-            *self._project(x, record),
-            causal=True,
-            mask=self.mask,
-            dropout=self.dropout,
-            record=record,
+        return self._attend(
+            *self._project(x, record), record, causal=True, mask=self.mask, dropout=self.dropout
         )
 
 
@@ -218,8 +214,8 @@ class MultiHeadAttention(Traceable):
         q, k, v = (self._heads(x, lin) for lin in (self.W_query, self.W_key, self.W_value))
         if record is not None:
             record.update(queries=q, keys=k, values=v)
-        context = AF.attend(
-            q, k, v, causal=self.causal, mask=self.mask, dropout=self.dropout, record=record
+        context = self._attend(
+            q, k, v, record, causal=self.causal, mask=self.mask, dropout=self.dropout
         )
         out = self.out_proj(AF.merge_heads(context))  # (B, T, d_out)
         if record is not None:

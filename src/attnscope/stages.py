@@ -151,7 +151,8 @@ class Dims:
     for single-head attention (then per-head stages have no head axis). ``kv_heads``
     (grouped heads: keys and values have fewer heads), ``head_size`` (a head width other
     than ``d_out // num_heads``) and ``key_tokens`` (cross-attention: keys from another
-    sequence) default to the plain case; ``one_query`` is the ``scores`` kind's single row.
+    sequence) default to the plain case; ``one_query`` is the ``scores`` kind's single row;
+    ``rows`` is a row trace's count of chosen queries (its matrix stages are ``(..., rows, S)``).
     """
 
     tokens: int
@@ -163,6 +164,7 @@ class Dims:
     head_size: int | None = None
     key_tokens: int | None = None
     one_query: bool = False  # the ``scores`` kind: one query's scores, (T,)
+    rows: int | None = None  # a row trace: the matrix stages keep this many query rows
 
     @property
     def head_dim(self) -> int:
@@ -188,7 +190,7 @@ class Dims:
             return (*lead, t, self.d_out)
         if self.one_query:
             return (*lead, *heads, s)
-        return (*lead, *heads, t, s)
+        return (*lead, *heads, t if self.rows is None else self.rows, s)
 
 
 def stages_for_kind(kind: str | Kind) -> tuple[Stage, ...]:

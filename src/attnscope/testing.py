@@ -24,8 +24,9 @@ def assert_attention(target: str | object, kind: str | None = None, **options) -
     """Fail the calling test, with the check report's text, unless ``target`` is correct.
 
     Takes what :func:`attnscope.check` takes (``kind``, ``init``, ``seed``, ``timeout``,
-    ``weights``, ``tokens``) and returns the report when every stage matches. A target
-    that cannot be checked at all raises :class:`attnscope.AttnScopeError`.
+    ``weights``, ``tokens``) and returns the report when every stage matches; a whole
+    model passes when every attention layer does. A target that cannot be checked at all
+    raises :class:`attnscope.AttnScopeError`.
     """
     report = check(target, kind=kind, **options)
     if not report.ok:

@@ -23,7 +23,7 @@ from .display import RenderedFigures
 from .errors import AttnScopeError, check_embeddings, check_labels, check_token_index, describe
 from .stages import Dims, Stage
 
-__all__ = ["Trace", "Traceable", "QueryWalk", "ShapeCheck", "trace"]
+__all__ = ["Trace", "Traceable", "QueryWalk", "RowRecord", "ShapeCheck", "trace"]
 
 
 class Traceable(nn.Module):
@@ -65,6 +65,66 @@ class Traceable(nn.Module):
     def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def _attend(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        record: AF.Record | None,
+        *,
+        causal: bool = False,
+        mask: torch.Tensor | None = None,
+        dropout: nn.Module | None = None,
+        window: int | None = None,
+        slopes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The core every module's pipeline calls: :func:`~attnscope.functional.attend`
+        (every stage, full matrices), or for a row trace (``record`` a :class:`RowRecord`)
+        the chosen rows' matrix stages and the blocked core with every query's summary.
+
+        ``slopes``: ALiBi's per-head slopes (the full path builds the ``(H, T, S)`` bias from
+        them; the row path builds it per block). ``mask``: the book's buffer, cropped.
+        """
+        if isinstance(record, RowRecord):
+            # a row trace runs in eval mode: no dropout; the mask is the causal one (or the
+            # window), built from positions, never as a (T, T) buffer
+            AF.attend_rows(
+                queries,
+                keys,
+                record.rows,
+                causal=causal,
+                window=window,
+                bias_slopes=slopes,
+                record=record,
+            )
+            context, record.summary = AF.attention_summary(
+                queries,
+                keys,
+                values,
+                causal=causal,
+                window=window,
+                bias_slopes=slopes,
+                block=record.block,
+                k=record.k,
+            )
+            record[Stage.CONTEXT.value] = context
+            return context
+        bias = None
+        if slopes is not None:
+            t_q, t_k = queries.shape[-2], keys.shape[-2]
+            bias = AF.alibi_bias(slopes, t_q, t_k).to(queries.dtype).to(queries.device)
+        return AF.attend(
+            queries,
+            keys,
+            values,
+            causal=causal,
+            mask=mask,
+            dropout=dropout,
+            record=record,
+            bias=bias,
+            window=window,
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(T, d_in)`` or ``(B, T, d_in)`` -> ``(T, d_out)`` or ``(B, T, d_out)``."""
         return self._pipeline(self._check(x), None)
@@ -74,9 +134,14 @@ class Traceable(nn.Module):
         x: torch.Tensor,
         labels: Sequence[str] | None = None,
         context: torch.Tensor | None = None,
+        *,
+        rows: Sequence[int] | None = None,
+        k: int = 4,
+        block: int = 1024,
     ) -> Trace:
-        """Run the explicit path and return every stage by name (see :class:`Trace`)."""
-        return trace(self, x, labels=labels, context=context)
+        """Run the explicit path and return every stage by name (see :class:`Trace`);
+        with ``rows``, a row trace (see :func:`trace`)."""
+        return trace(self, x, labels=labels, context=context, rows=rows, k=k, block=block)
 
     # What Trace.walk asks of a module: one query computed alone. The defaults are the
     # book's layers: a projection (split into heads), a causal row, no bias.
@@ -92,10 +157,11 @@ class Traceable(nn.Module):
         return None
 
     def _walk_hidden(self, position: int, keys: int) -> torch.Tensor | None:
-        """``(1, keys)`` bool: the keys hidden from that query, or None."""
+        """``(1, keys)`` bool: the keys hidden from that query, or None (row ``position``
+        of :func:`~attnscope.functional.causal_mask`, built alone: no ``(T, T)`` mask)."""
         if "causal" not in str(self.kind):
             return None
-        return AF.causal_mask(keys)[position : position + 1]
+        return (torch.arange(keys) > position).unsqueeze(0)
 
     def _query_bound(self, token: torch.Tensor) -> tuple[torch.Tensor, float]:
         """A bound on the query's entries from ``|x| @ |W| (+ |bias|)``, and how many times
@@ -189,6 +255,17 @@ class QueryWalk:
         return self.scores_match and bool((diff <= allowed).all())
 
 
+class RowRecord(dict):
+    """The record of a row trace: stages by name, and what the core is asked for (the
+    chosen query ``rows``, ``k`` heaviest keys per summary, the ``block`` size); the core
+    leaves every query's :class:`~attnscope.functional.AttentionSummary` in ``summary``."""
+
+    def __init__(self, rows: tuple[int, ...], k: int = 4, block: int = 1024):
+        super().__init__()
+        self.rows, self.k, self.block = rows, k, block
+        self.summary: AF.AttentionSummary | None = None
+
+
 @dataclass
 class Trace(RenderedFigures):
     """Every stage of one forward pass, in pipeline order.
@@ -203,6 +280,8 @@ class Trace(RenderedFigures):
         dims: the sizes that predict every shape.
         labels: one label per token (defaults to ``"0"``, ``"1"``, ...).
         module: the traced module (``None`` for simplified attention).
+        rows: a row trace's chosen query positions (its matrix stages keep those rows
+            only, ``(..., len(rows), S)``, in this order); ``None`` for a full trace.
     """
 
     kind: str
@@ -212,6 +291,29 @@ class Trace(RenderedFigures):
     labels: tuple[str, ...]
     module: nn.Module | None = None
     _walks: dict[tuple[int, int], QueryWalk] = field(default_factory=dict, repr=False)
+    rows: tuple[int, ...] | None = None
+    _summary: AF.AttentionSummary | None = field(default=None, repr=False)
+
+    @property
+    def summary(self) -> AF.AttentionSummary:
+        """Every query's summary (entropy, largest weight and key, top-k keys, weight on
+        the first token, mean distance), ``(..., T)`` per field: a row trace computes it
+        blockwise with the context; a full trace from its ``weights``."""
+        if self._summary is None:
+            self._summary = AF.summarize_weights(self.stages[Stage.WEIGHTS.value])
+        return self._summary
+
+    def row_index(self, token: int) -> int:
+        """Where query ``token`` sits in the matrix stages: ``token`` itself in a full
+        trace, its place among :attr:`rows` in a row trace (an error if not chosen)."""
+        if self.rows is None:
+            return token
+        if token not in self.rows:
+            raise AttnScopeError(
+                f"token: expected one of the traced rows {list(self.rows)} (a row trace keeps "
+                f"only those queries' scores and weights), got {token}"
+            )
+        return self.rows.index(token)
 
     def __getitem__(self, stage: str | Stage) -> torch.Tensor:
         name = Stage(stage).value if isinstance(stage, Stage) else stage
@@ -262,6 +364,7 @@ class Trace(RenderedFigures):
         the result is compared with row ``token`` of the batched context.
         """
         t = check_token_index(token, self.dims.tokens)
+        self.row_index(t)
         if self.dims.batch is None and batch != 0:
             raise AttnScopeError(f"batch: expected 0 for an unbatched trace, got {batch}")
         if self.dims.batch is not None:
@@ -277,6 +380,10 @@ def trace(
     x: torch.Tensor,
     labels: Sequence[str] | None = None,
     context: torch.Tensor | None = None,
+    *,
+    rows: Sequence[int] | None = None,
+    k: int = 4,
+    block: int = 1024,
 ) -> Trace:
     """Run ``target`` on ``x`` through its explicit path and record every stage.
 
@@ -286,12 +393,25 @@ def trace(
         x: ``(T, d_in)`` or ``(B, T, d_in)`` embeddings.
         labels: one label per token, for reports and pictures (each made text with ``str``).
         context: ``(S, d_in)`` or ``(B, S, d_in)``: what a cross-attention layer attends to.
+        rows: a row trace (modules only): the matrix stages (``scores`` .. ``weights``) keep
+            only these query positions, ``(..., len(rows), S)``, computed without the full
+            matrix; every other stage is whole, the context computed over blocks of
+            ``block`` keys in linear memory, and :attr:`Trace.summary` holds every query's
+            summary (``k`` heaviest keys) from the same pass. Negative positions count from
+            the end.
 
     A module runs in eval mode while it is traced, so dropout is off and every recorded
     stage belongs to one computation (``weights`` is what ``context`` was made from); each
     submodule's train/eval mode is restored afterwards.
     """
     record: dict[str, torch.Tensor] = {}
+    if rows is not None:
+        if not isinstance(target, Traceable):
+            raise AttnScopeError(
+                f"rows: expected an attnscope module to trace rows of, got {describe(target)}"
+            )
+        tokens = check_embeddings(x).shape[-2]
+        record = RowRecord(AF.check_rows(rows, tokens), k=k, block=block)
     modes = {m: m.training for m in target.modules()} if isinstance(target, nn.Module) else {}
     with torch.no_grad(), _eval_mode(modes):
         if isinstance(target, str):
@@ -323,12 +443,18 @@ def trace(
         kv_heads=None if kv_heads == heads else kv_heads,
         head_size=getattr(module, "head_dim", None) if heads else None,
         key_tokens=None if context is None else context.shape[-2],
+        rows=None if rows is None else len(record.rows),
     )
     # The kind's stages, and what a modern layer adds (norms, rotations, a bias), in order.
     order = [s.value for s in Stage if s.value in record]
     stages = {name: record[name] for name in order}
     labels = tuple(str(i) for i in range(dims.tokens)) if labels is None else labels
-    return Trace(kind, x, stages, dims, check_labels(labels, dims.tokens), module)
+    tr = Trace(kind, x, stages, dims, check_labels(labels, dims.tokens), module)
+    if isinstance(record, RowRecord):
+        tr.rows = record.rows
+        # the summary's leading shape is the context's (a batch of one squeezed with it)
+        tr._summary = record.summary.reshaped(stages[Stage.CONTEXT.value].shape[:-1])
+    return tr
 
 
 @contextmanager
@@ -383,7 +509,7 @@ def _walk(tr: Trace, t: int, b: int) -> QueryWalk:
             s for s in ("masked_scores", "biased_scores", "scaled_scores", "scores") if s in tr
         )
         scores_ok, bound = _rounding(
-            tr, x[t], query, keys, values, logits.squeeze(-2), row(stage)[..., t, :]
+            tr, x[t], query, keys, values, logits.squeeze(-2), row(stage)[..., tr.row_index(t), :]
         )
     return QueryWalk(
         t,

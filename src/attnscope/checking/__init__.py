@@ -2,6 +2,6 @@
 
 from .engine import check
 from .mistakes import MISTAKES
-from .report import CheckReport, Failure, StageCheck
+from .report import CheckReport, Failure, ModelReport, StageCheck
 
-__all__ = ["MISTAKES", "CheckReport", "Failure", "StageCheck", "check"]
+__all__ = ["MISTAKES", "CheckReport", "Failure", "ModelReport", "StageCheck", "check"]

@@ -18,10 +18,12 @@ from ..stages import Dims, Kind, Stage
 from .compare import close, find_stage
 from .judge import Call, Judge
 from .mistakes import MISTAKES, one_query_mutations
+from .model import check_model, token_vocabulary
 from .probe import ModuleProbe, first_tensor, fmt_shape, rebuild_sdpa
 from .record import Recorder
 from .reference import Spec
 from .report import CheckReport, Failure, single_head
+from .structure import SeveralLayers
 from .target import SIZES, Target, call_safely, load
 
 __all__ = ["check", "DEFAULT_TIMEOUT"]
@@ -72,7 +74,12 @@ def check(
         tgt = load(target, kind=kind, init=init, seed=seed, tokens=tokens, timeout=timeout)
         try:
             if tgt.is_module:
-                return ModuleProbe(tgt, kind, seed, timeout, weights, tokens).run()
+                try:
+                    return ModuleProbe(tgt, kind, seed, timeout, weights, tokens).run()
+                except AttnScopeError as exc:
+                    if not _a_model(tgt, exc):
+                        raise
+                return check_model(tgt, seed, timeout, tokens, kind)
             return _FunctionCheck(tgt, kind, seed, timeout).run()
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             if isinstance(exc, AttnScopeError):
@@ -83,6 +90,14 @@ def check(
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); naming the weights with "
                 "--weights or the kind with --kind may help, and this is worth reporting"
             ) from exc
+
+
+def _a_model(tgt, exc: AttnScopeError) -> bool:
+    """Whether a target the single-layer check could not take is a model: several
+    attention layers in a row, or token ids in (an embedding table first)."""
+    if isinstance(exc, SeveralLayers):
+        return True
+    return token_vocabulary(tgt.obj) is not None and "raised on every probe" in str(exc)
 
 
 _SMALL_PROBE = 32  # tokens; below this one thread is as fast, and far faster on a busy CPU

@@ -151,8 +151,11 @@ def _rotates(t) -> bool:
 class ModuleProbe:
     """Everything about calling one module; :meth:`run` hands the calls to a :class:`Judge`."""
 
-    def __init__(self, tgt: Target, kind, seed, timeout, weights, tokens=None):
+    def __init__(self, tgt: Target, kind, seed, timeout, weights, tokens=None, host=None):
         self.tgt, self.timeout, self.weights = tgt, timeout, weights
+        #: a model around the layer (:class:`.model.ModelHost`): the layer is run where it
+        #: sits in it, and only its own computation is recorded
+        self.host = host
         self.kind = None if kind is None else Kind.of(kind)
         self.fixed_tokens = tokens
         self.module: nn.Module = tgt.obj
@@ -247,6 +250,8 @@ class ModuleProbe:
     def _discover(self) -> Structure:
         """Call the target on widths its parameters suggest until one runs; read the
         attention's structure from that call."""
+        if self.host is not None:
+            return self._discover_in_model()
         tokens = self._tokens(None)
         errors: list[str] = []
         widths = self._widths()
@@ -330,7 +335,49 @@ class ModuleProbe:
         leaves = dict(self._leaf_names)
         for i, t in enumerate((x, *more)):
             leaves[id(t)] = f"input:{i}"
-        return Recorder(leaves, self.module)
+        scope = self.module if self.host is not None else None
+        return Recorder(leaves, self.module, scope=scope)
+
+    def _discover_in_model(self) -> Structure:
+        """A layer of a model: where it takes its hidden states (found on a run of the
+        model), then its structure from its own computation, run where it sits."""
+        tokens = self._tokens(None)
+        seen: list = []
+
+        def grab(mod, args, kwargs):
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2:
+                    seen.append((i, a))
+                    break
+            else:
+                for k, a in kwargs.items():
+                    if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2:
+                        seen.append((k, a))
+                        break
+            raise _Captured(None)
+
+        handle = self.module.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            _, err = self._invoke_root(self._root_input(BATCH, tokens))
+        except _Captured:
+            err = None
+        finally:
+            handle.remove()
+        if not seen:
+            raise AttnScopeError(
+                f"{self.tgt.text}: the model did not call this layer with hidden states"
+                + (f" ({err})" if err else "")
+            )
+        where, value = seen[0]
+        lead = tuple(value.shape[:-1])
+        self.entry = _Entry(self.module, self.host.path, [where], lead == (tokens, BATCH))
+        x = torch.randn(BATCH, tokens, value.shape[-1], generator=self.discovery_gen)
+        rec = self._recorder(x)
+        with rec:
+            out, err = self._invoke_layer(x)
+        if err is not None:
+            raise AttnScopeError(f"{self.tgt.text}: the layer raised where it sits: {err}")
+        return read_structure(rec, self.module)
 
     def _entry(self, st: Structure, rec: Recorder, x: torch.Tensor) -> _Entry:
         """How to put a probe into a layer inside a wrapper: the arguments that carry its
@@ -454,6 +501,8 @@ class ModuleProbe:
     def _invoke_root(
         self, x32: torch.Tensor, causal_hint: bool = False, other: torch.Tensor | None = None
     ):
+        if self.host is not None:  # the model around the layer, on its own input
+            return self.host.call(x32)
         a = self.adapter
         inp = x32
         batched = x32.dim() == 3
@@ -497,6 +546,8 @@ class ModuleProbe:
 
     def _root_input(self, b: int, n: int) -> torch.Tensor:
         """The wrapper's own input for a probe of this size (the same every time)."""
+        if self.host is not None and (b, n) not in self._root_inputs:
+            self._root_inputs[(b, n)] = self.host.input(b, n, self.discovery_gen)
         if (b, n) not in self._root_inputs:
             d = self._root_width
             self._root_inputs[(b, n)] = torch.randn(b, n, d, generator=self.discovery_gen)

@@ -139,6 +139,8 @@ class Recorder(TorchFunctionMode):
             (``"input"``), parameters (``"param:NAME"``), buffers (``"buffer:NAME"``).
         root: the module whose submodule calls are recorded as :class:`ModuleCall` spans.
         limit: the most nodes kept (a runaway loop stops being recorded, not the target).
+        scope: record only while this module (``root``, one layer of a model the record
+            runs whole) computes: the record is then that layer's own.
     """
 
     def __init__(
@@ -146,8 +148,11 @@ class Recorder(TorchFunctionMode):
         leaves: dict[int, str] | None = None,
         root: nn.Module | None = None,
         limit: int = 50000,
+        scope: nn.Module | None = None,
     ):
         super().__init__()
+        self.scope = scope
+        self._in_scope = 0
         self.ops: list[Op] = []
         self.sdpa: list[SdpaCall] = []
         self.modules: list[ModuleCall] = []
@@ -161,7 +166,7 @@ class Recorder(TorchFunctionMode):
 
     # ------------------------------------------------------------------ module spans
     def __enter__(self):
-        if self._paths:
+        if self._paths or self.scope is not None:
             reg = nn.modules.module
             self._hooks = [
                 reg.register_module_forward_pre_hook(self._enter_module),
@@ -179,6 +184,8 @@ class Recorder(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def _enter_module(self, module, args):
+        if module is self.scope:
+            self._in_scope += 1
         path = self._paths.get(id(module))
         if path is not None:
             call = ModuleCall(path, module, len(self.ops), depth=len(self._open))
@@ -186,6 +193,8 @@ class Recorder(TorchFunctionMode):
             self._open.append(call)
 
     def _leave_module(self, module, args, out):
+        if module is self.scope:
+            self._in_scope -= 1
         if id(module) not in self._paths:
             return
         while self._open:
@@ -233,6 +242,8 @@ class Recorder(TorchFunctionMode):
         name = _op_name(func)
         if name in _SKIP_NAMES or len(self.ops) >= self.limit:
             return func(*args, **kwargs)
+        if self.scope is not None and not self._in_scope:
+            return func(*args, **kwargs)  # the model around the layer: not this record's
         location = _user_location()
         inputs = list(tensors_in(args)) + list(tensors_in(kwargs))
         before = [t._version for t in inputs]

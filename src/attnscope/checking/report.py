@@ -10,7 +10,7 @@ import torch
 from ..display import Rendered
 from ..stages import Stage
 
-__all__ = ["CheckReport", "Failure", "StageCheck", "single_head"]
+__all__ = ["CheckReport", "Failure", "ModelReport", "StageCheck", "single_head"]
 
 
 def single_head(head_dim: int, causal: bool = False) -> dict:
@@ -93,6 +93,59 @@ class CheckReport(Rendered):
         if self.layer is not None:
             out["layer"] = self.layer
         return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+@dataclass
+class ModelReport(Rendered):
+    """A whole model, checked layer by layer in the order it runs them: each layer's
+    :class:`CheckReport`, and the first failing layer's failure (``layer`` set).
+    ``to_dict()`` is the contract's model report."""
+
+    ok: bool
+    target: str
+    layers: list[tuple[str, CheckReport]]
+    first_failure: Failure | None = None
+    first_layer: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    kind = "model"
+
+    @classmethod
+    def of(cls, target: str, layers: list[tuple[str, CheckReport]]) -> ModelReport:
+        failing = next(((p, r) for p, r in layers if not r.ok), None)
+        return cls(
+            ok=failing is None,
+            target=target,
+            layers=layers,
+            first_failure=None if failing is None else failing[1].first_failure,
+            first_layer=None if failing is None else failing[0],
+        )
+
+    def to_dict(self) -> dict:
+        first = None
+        if self.first_failure is not None:
+            first = {**self.first_failure.to_dict(), "layer": self.first_layer}
+        return {
+            "ok": self.ok,
+            "kind": "model",
+            "target": self.target,
+            "first_failure": first,
+            "layers": [
+                {
+                    "layer": path,
+                    "ok": r.ok,
+                    "kind": r.kind,
+                    **({"structure": r.structure} if r.structure is not None else {}),
+                    "first_failure": None if r.first_failure is None else r.first_failure.to_dict(),
+                    "checks": [c.to_dict() for c in r.checks],
+                }
+                for path, r in self.layers
+            ],
+            "decode": None,
+        }
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

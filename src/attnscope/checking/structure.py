@@ -40,6 +40,8 @@ from .projections import Projection, einsum_letters, fold_bias, read_projection
 from .record import ModuleCall, Op, Recorder, tensors_in
 
 __all__ = [
+    "SeveralLayers",
+    "attention_layers",
     "Core",
     "Structure",
     "read_structure",
@@ -153,6 +155,15 @@ def _fused_sdpa(op: Op) -> Core | None:
 # ------------------------------------------------------------------------------ reading
 
 
+class SeveralLayers(AttnScopeError):
+    """The target holds several attention layers in a row: a model, checked layer by layer."""
+
+
+def attention_layers(rec: Recorder, root: nn.Module) -> list[str]:
+    """The module paths of the attention layers a recorded call of a model ran, in order."""
+    return _Reader(rec, root).layers()
+
+
 def read_structure(rec: Recorder, root: nn.Module) -> Structure:
     """The structure of the attention in one recorded call of ``root`` (see module doc).
 
@@ -170,7 +181,38 @@ class _Reader:
         self.ops = rec.ops
 
     # -- projections and the core
+    def layers(self) -> list[str]:
+        """The dotted module path of every attention layer the record ran, in run order."""
+        cores, projs, _, mha = self._scan()
+        if mha is not None:
+            return []
+        paths: list[str] = []
+        for core in cores:
+            roles = {
+                r: self._projections_above(n, projs)
+                for r, n in (("q", core.q_node), ("k", core.k_node), ("v", core.v_node))
+                if n is not None
+            }
+            call = self._layer_call([core], roles)
+            path = "" if call is None else call.path
+            if path not in paths:
+                paths.append(path)
+        return paths
+
     def read(self) -> Structure:
+        cores, projs, after_context, mha = self._scan()
+        if mha is not None:
+            return self._from_mha(mha, after_context)
+        if not cores:
+            raise AttnScopeError(
+                "found no attention in its computation: expected a product of two tensors made "
+                "from the input (the scores), then a product of what they became with a third "
+                "(the context), or a call of scaled_dot_product_attention"
+            )
+        return self._assemble(cores, projs, after_context)
+
+    def _scan(self):
+        """Projections and cores (scores and context products, fused calls) in the record."""
         g = self.g
         projs: dict[int, Projection] = {}
         after_score = [False] * len(self.ops)
@@ -217,18 +259,14 @@ class _Reader:
                 if core is not None and core.context is None:
                     core.v_node, core.context = values, op
                     after_context[i] = True
-        if mha is not None:
-            return self._from_mha(mha, after_context)
-        for p in projs.values():
-            p.companion = self._companion(p)
+                    # the context is the layer's output, no longer scores: a next layer's
+                    # scores may be made from it (a model of several layers)
+                    after_score[i] = False
+        if mha is None:
+            for p in projs.values():
+                p.companion = self._companion(p)
         cores = [c for c in cores if c.fused is not None or c.context is not None]
-        if not cores:
-            raise AttnScopeError(
-                "found no attention in its computation: expected a product of two tensors made "
-                "from the input (the scores), then a product of what they became with a third "
-                "(the context), or a call of scaled_dot_product_attention"
-            )
-        return self._assemble(cores, projs, after_context)
+        return cores, projs, after_context, mha
 
     def _companion(self, p: Projection) -> tuple[str, T] | None:
         """The bias that belongs with a projection's weight, where the call applied another
@@ -299,7 +337,7 @@ class _Reader:
         call = self._layer_call(cores, roles)
         span = (call.start, call.end) if call is not None else (0, len(self.ops))
         if self._sequential(cores):
-            raise AttnScopeError(
+            raise SeveralLayers(
                 "holds several attention layers, one after the other (a whole model): checking "
                 "a model is not supported yet; check one of its attention layers"
             )

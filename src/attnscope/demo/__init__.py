@@ -155,6 +155,7 @@ def make_trace(
     kv_heads: int | None = None,
     window: int | None = None,
     alibi: bool = False,
+    rows: Sequence[int] | None = None,
 ) -> Trace:
     """Build the reference module of ``kind`` with ``seed`` and trace it on ``x``.
 
@@ -168,6 +169,7 @@ def make_trace(
             and gqa only); by default 2 and 2, for gqa 16 and 4.
         kv_heads, window, alibi: gqa only: key/value heads (default half of ``heads``, or
             ``heads`` when that is odd), a sliding window, ALiBi instead of RoPE.
+        rows: a row trace of these query positions (see :func:`attnscope.trace`).
     """
     if kind not in TRACE_KINDS:
         raise AttnScopeError(f"kind: expected one of {', '.join(TRACE_KINDS)}, got {kind!r}")
@@ -184,6 +186,11 @@ def make_trace(
             f"got kind {kind!r}"
         )
     if kind == "simplified":
+        if rows is not None:
+            raise AttnScopeError(
+                "rows: expected a kind with trainable weights (a row trace runs a module), "
+                "got kind 'simplified'"
+            )
         return trace("simplified", x, labels=labels)
     d_in, tokens = x.shape[-1], x.shape[-2]
     if kind == "gqa":
@@ -211,7 +218,7 @@ def make_trace(
                 d_in, d_out, tokens, 0.0, num_heads=heads, causal=kind == "causal-multihead"
             )
     module.eval()
-    return module.trace(x, labels=labels)
+    return module.trace(x, labels=labels, rows=rows)
 
 
 def trace_checks(tr: Trace, token: int) -> list[Check]:
@@ -230,6 +237,7 @@ def trace_checks(tr: Trace, token: int) -> list[Check]:
             logits(tr),
             causal="masked_scores" in tr,
             window=getattr(tr.module, "window", None),
+            rows=tr.rows,
         ),
         walk_check(tr, token),
     ]

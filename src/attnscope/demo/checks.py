@@ -7,7 +7,6 @@ from contextlib import contextmanager
 
 import torch
 
-from .. import functional as AF
 from ..formatting import format_values
 from ..lesson import Check, Shown
 from ..trace import ShapeCheck, Trace
@@ -89,14 +88,19 @@ def rows_are_distributions(
     logits: torch.Tensor | None = None,
     causal: bool = False,
     window: int | None = None,
+    rows: Sequence[int] | None = None,
 ) -> Check:
     """Weights positive (zero exactly on masked keys when causal, and outside a sliding
     ``window``) and each row sums to 1.
 
     ``logits`` are what the softmax was given: a weight whose logit is more than
     :data:`EXP_RANGE` below its row's largest may underflow float32 to exactly 0, so it
-    must only be >= 0. Without ``logits`` every weight must be positive.
+    must only be >= 0. Without ``logits`` every weight must be positive. ``rows``: a row
+    trace's query positions (the weights hold those rows only).
     """
+    if causal:
+        queries = torch.tensor(rows) if rows is not None else torch.arange(weights.shape[-2])
+        back = queries[:, None] - torch.arange(weights.shape[-1])[None, :]  # (rows, keys)
     w = weights.double()
     sums_ok = torch.allclose(w.sum(-1), torch.ones_like(w.sum(-1)), atol=1e-5)
     if logits is None:
@@ -105,14 +109,14 @@ def rows_are_distributions(
         representable = logits > logits.max(-1, keepdim=True).values - EXP_RANGE
     sign_ok = bool((w >= 0).all() and (w[representable] > 0).all())
     if causal and window is not None:
-        hidden = AF.sliding_window_mask(w.shape[-1], window)
+        hidden = (back < 0) | (back >= window)
         sign_ok = sign_ok and bool((w[..., hidden] == 0).all())
         name = (
             f"weights are zero above the diagonal and outside the window of {window}, "
             "positive elsewhere, and each row sums to 1"
         )
     elif causal:
-        above = AF.causal_mask(w.shape[-1])
+        above = back < 0
         sign_ok = sign_ok and bool((w[..., above] == 0).all())
         name = "weights are zero above the diagonal, positive elsewhere, and each row sums to 1"
     else:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .._version import __version__
-from ..checking.report import CheckReport
+from ..checking.report import CheckReport, ModelReport
 from ..display import renders
 from ..errors import AttnScopeError
 from ..stages import Stage
@@ -645,4 +645,43 @@ def check_html(
     if report.notes:
         notes = "".join(f"<li>{escape(n)}</li>" for n in report.notes)
         body += ["<h2>Notes</h2>", f"<ul>{notes}</ul>"]
+    return _finish(_page("\n".join(body), title, full_page), path, overwrite)
+
+
+@renders(ModelReport, "html")
+def model_html(
+    report: ModelReport,
+    path: str | Path | None = None,
+    *,
+    overwrite: bool = False,
+    full_page: bool | None = None,
+) -> str:
+    """A model's check as one page: a layers x stages grid (pass, FAIL, or not reached), then
+    the first failing layer's own report (its stages, and its tensors side by side)."""
+    refuse_existing(path, overwrite)
+    if full_page is None:
+        full_page = path is not None
+    stages = [s for s in Stage if any(c.stage is s for _, r in report.layers for c in r.checks)]
+    head = "".join(f"<th><code>{escape(s.value)}</code></th>" for s in stages)
+    rows = []
+    for layer, r in report.layers:
+        seen = {c.stage: c.ok for c in r.checks}
+        cells = "".join("<td>" + (_verdict(seen[s]) if s in seen else "") + "</td>" for s in stages)
+        rows.append(
+            f"<tr><th><code>{escape(layer)}</code></th><td>{escape(r.kind)}</td>{cells}</tr>"
+        )
+    title = f"attnscope check: {report.target}"
+    verdict = "OK" if report.ok else f"FAILED at {report.first_layer}"
+    body = [
+        f"<h1>{escape(title)}</h1>",
+        f'<p class="meta">{_verdict(report.ok)} {escape(verdict)} · '
+        f"{len(report.layers)} attention layers, in the order the model runs them</p>",
+        f"<table><tr><th>layer</th><th>kind</th>{head}</tr>{''.join(rows)}</table>",
+    ]
+    failing = next((r for _, r in report.layers if not r.ok), None)
+    if failing is not None:
+        body.append(
+            f"<h2>First failing layer: <code>{escape(report.first_layer or '')}</code></h2>"
+        )
+        body.append(check_html(failing, full_page=False))
     return _finish(_page("\n".join(body), title, full_page), path, overwrite)

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..checking.report import CheckReport
+from ..checking.report import CheckReport, ModelReport
 from ..display import renders
 from ..formatting import format_number as _num
 from ..formatting import format_values
@@ -218,14 +218,22 @@ def trace_text(
             c.stage.value, _shape(c.predicted), _shape(c.actual), Text(word, style), c.rule
         )
     out.print(table)
+    if trace.rows is not None:
+        out.line("rows: ", ", ".join(f"{r} ({trace.labels[r]})" for r in trace.rows))
     for name, tensor in trace.stages.items():
         shown, where = _slice_for_display(trace, tensor)
         square = name in {s.value for s in MATRIX_STAGES}
+        row_labels = trace.labels
+        if square and trace.rows is not None:
+            row_labels = tuple(trace.labels[r] for r in trace.rows)
         text = format_tensor(
-            shown, trace.labels, key_labels(trace) if square else None, max_values=max_values
+            shown, row_labels, key_labels(trace) if square else None, max_values=max_values
         )
         out.line()
         _block(out, f"{name} {_shape(tensor.shape)}{where}", text)
+    if trace.rows is not None:
+        out.line()
+        _summary(out, trace)
     if token is not None:
         walk = trace.walk(token)
         out.line()
@@ -258,6 +266,36 @@ def trace_text(
         out.line()
         _checklist(out, checks)
     return out.text()
+
+
+def _summary(out: _Out, trace: Trace, batch: int = 0) -> None:
+    """A row trace's summaries of its chosen queries, per head: from the blockwise pass."""
+    s = trace.summary
+    if trace.dims.batch is not None:
+        s = s.select(batch)
+    heads = trace.dims.num_heads
+    out.line(("summary", "bold"), ": each chosen query's weights, without the matrix")
+    table = out.table(
+        "query", "head", "entropy", "max weight (key)", "first token", "distance", "top keys"
+    )
+    for r in trace.rows:
+        for h in range(heads or 1):
+            one = s.select(h, r) if heads else s.select(r)
+            top = ", ".join(
+                f"{k} {w:.3f}"
+                for k, w in zip(one.top_keys.tolist(), one.top_weights.tolist(), strict=True)
+                if k >= 0
+            )
+            table.add_row(
+                str(r) if trace.labels[r] == str(r) else f"{r} {trace.labels[r]}",
+                "" if heads is None else str(h),
+                f"{one.entropy.item():.3f}",
+                f"{one.max_weight.item():.3f} ({one.max_key.item()})",
+                f"{one.sink_weight.item():.3f}",
+                f"{one.mean_distance.item():.1f}",
+                top,
+            )
+    out.print(table)
 
 
 def _checklist(out: _Out, checks: Sequence[tuple[str, bool, str]]) -> None:
@@ -309,6 +347,35 @@ def check_text(report: CheckReport, color: bool | None = None) -> str:
     )
     for note in report.notes:
         out.line("note: ", note)
+    return out.text()
+
+
+@renders(ModelReport, "text")
+def model_text(report: ModelReport, color: bool | None = None) -> str:
+    """A model's check: one line per attention layer in the order the model runs them, then
+    the first failing layer's checklist."""
+    out = _Out(color)
+    verdict = ("OK", "bold green") if report.ok else ("FAILED", "bold red")
+    out.line(("attnscope check", "bold"), f": {report.target}  ", verdict)
+    table = out.table("layer", "kind", "heads", "", "first failure")
+    for path, r in report.layers:
+        s = r.structure or {}
+        heads = f"{s.get('heads', '?')}/{s.get('kv_heads', '?')} kv" if s else "-"
+        word, style = _verdict(r.ok)
+        failure = r.first_failure
+        table.add_row(
+            path,
+            r.kind,
+            heads,
+            Text(word, style),
+            "" if failure is None else f"{failure.stage.value} / {failure.mistake}",
+        )
+    out.print(table)
+    failing = next((r for _, r in report.layers if not r.ok), None)
+    if failing is not None:
+        out.line()
+        out.line(("first failing layer", "bold red"), f": {report.first_layer}")
+        return out.text() + check_text(failing, color=color)
     return out.text()
 
 

@@ -1,0 +1,132 @@
+"""attnscope check on whole models: every attention layer found by what it computes, each
+checked where it sits (on the masks and positions the model gives it), in run order."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jsonschema
+import pytest
+import torch
+from conftest import ROOT
+
+from attnscope import ModelReport, check
+from attnscope.cli import main
+from attnscope.testing import AttentionMismatch, assert_attention
+
+ch04 = pytest.importorskip("llms_from_scratch.ch04", reason="llms-from-scratch not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+GPT = {
+    "vocab_size": 100,
+    "context_length": 16,
+    "emb_dim": 32,
+    "n_heads": 4,
+    "n_layers": 3,
+    "drop_rate": 0.0,
+    "qkv_bias": False,
+}
+
+
+def _book_gpt():
+    torch.manual_seed(0)
+    return ch04.GPTModel(GPT)
+
+
+def _keys_from_w_query(self, x):
+    """The book's MultiHeadAttention forward with one slip: keys made with W_query."""
+    b, n, _ = x.shape
+    q, k, v = self.W_query(x), self.W_query(x), self.W_value(x)
+    q, k, v = (t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+    s = (q @ k.transpose(2, 3)).masked_fill(self.mask.bool()[:n, :n], -torch.inf)
+    w = torch.softmax(s / k.shape[-1] ** 0.5, dim=-1)
+    return self.out_proj((w @ v).transpose(1, 2).reshape(b, n, self.d_out))
+
+
+def _book_gpt_with_a_bug_in_layer_1():
+    model = _book_gpt()
+    att = model.trf_blocks[1].att
+    att.forward = types.MethodType(_keys_from_w_query, att)
+    return model
+
+
+def test_the_books_gpt_model_is_checked_layer_by_layer():
+    report = check(_book_gpt)
+    assert isinstance(report, ModelReport) and report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == [f"trf_blocks.{i}.att" for i in range(3)]
+    assert all(r.kind == "causal-multihead" for _, r in report.layers)
+
+
+def test_a_bug_in_one_layer_that_is_not_the_first_is_named_with_its_layer():
+    report = check(_book_gpt_with_a_bug_in_layer_1)
+    assert not report.ok
+    assert report.first_layer == "trf_blocks.1.att"
+    assert (report.first_failure.stage.value, report.first_failure.mistake) == (
+        "keys",
+        "wrong_projection",
+    )
+    assert [r.ok for _, r in report.layers] == [True, False, True]
+    text = report.to_text(color=False)
+    assert "first failing layer: trf_blocks.1.att" in text and "wrong_projection" in text
+
+
+def test_the_model_report_follows_the_contract(report_schema):
+    data = check(_book_gpt_with_a_bug_in_layer_1).to_dict()
+    jsonschema.validate(data, report_schema)
+    assert data["kind"] == "model" and data["first_failure"]["layer"] == "trf_blocks.1.att"
+    assert [entry["layer"] for entry in data["layers"]] == [f"trf_blocks.{i}.att" for i in range(3)]
+
+
+@pytest.mark.parametrize(
+    "config,model,kv",
+    [
+        ("GPT2Config", "GPT2Model", 4),
+        ("LlamaConfig", "LlamaModel", 2),
+        ("MistralConfig", "MistralModel", 2),
+        ("Qwen3Config", "Qwen3Model", 2),
+        ("GPTNeoXConfig", "GPTNeoXModel", 4),
+    ],
+)
+def test_hugging_face_models_from_configs(config, model, kv):
+    """Run through their standard forward on token ids; every layer on its real inputs."""
+    sizes = dict(vocab_size=100, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
+    sizes |= dict(num_attention_heads=4, num_key_value_heads=2)
+    if config == "GPT2Config":
+        sizes = dict(vocab_size=100, n_layer=2, n_embd=32, n_head=4, n_positions=32)
+    cfg = getattr(transformers, config)(**sizes)
+    report = check(lambda: getattr(transformers, model)(cfg))
+    assert report.ok, report.to_text(color=False)
+    assert len(report.layers) == 2
+    assert all(r.structure["kv_heads"] == kv for _, r in report.layers)
+
+
+def test_hugging_face_bert_is_checked_as_bidirectional():
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=64,
+    )
+    report = check(lambda: transformers.BertModel(cfg))
+    assert report.ok, report.to_text(color=False)
+    assert all(r.kind == "multihead" for _, r in report.layers)
+
+
+def test_cli_on_a_model_exits_1_and_writes_every_layer(tmp_path, capsys):
+    target = f"{ROOT / 'tests' / 'test_check_models.py'}:_book_gpt_with_a_bug_in_layer_1"
+    html = tmp_path / "model.html"
+    assert main(["check", target, "--html", str(html)]) == 1
+    out = capsys.readouterr().out
+    assert all(f"trf_blocks.{i}.att" in out for i in range(3))
+    page = html.read_text()
+    assert "First failing layer" in page and "trf_blocks.1.att" in page
+    assert main(["check", target, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["kind"] == "model"
+
+
+def test_assert_attention_holds_every_layer_of_a_model():
+    assert assert_attention(_book_gpt).ok
+    with pytest.raises(AttentionMismatch, match="trf_blocks.1.att"):
+        assert_attention(_book_gpt_with_a_bug_in_layer_1)

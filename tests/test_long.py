@@ -1,0 +1,301 @@
+"""Long sequences: the blocked core, per-query summaries and row traces.
+
+The blocked core (online softmax over key blocks) must equal ``attend`` and torch's
+``scaled_dot_product_attention`` for every shape, kind and block size, including blocks
+that do not divide the tokens; the summaries must equal the same quantities read from a full
+softmax; a row trace must equal the same rows of a full trace.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnscope
+import attnscope.functional as AF
+from attnscope import GroupedQueryAttention
+from attnscope.stages import MATRIX_STAGES
+
+FAST = settings(max_examples=30, deadline=None)
+SUMMARY_FIELDS = ("entropy", "max_weight", "top_weights", "sink_weight", "mean_distance")
+
+
+def _tensors(seed, batch, heads, kv_heads, tokens, d, d_v):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, tokens, d, generator=g)
+    k = torch.randn(batch, kv_heads, tokens, d, generator=g)
+    v = torch.randn(batch, kv_heads, tokens, d_v, generator=g)
+    return q, k, v
+
+
+def _reference(q, k, v, causal, window, slopes):
+    """The full-matrix path: attend's record (weights) and context."""
+    tokens = q.shape[-2]
+    bias = None if slopes is None else AF.alibi_bias(slopes, tokens).to(q.dtype)
+    record: dict = {}
+    context = AF.attend(q, k, v, causal=causal, window=window, bias=bias, record=record)
+    return context, record
+
+
+cases = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 2**31 - 1),
+        "batch": st.integers(1, 2),
+        "kv_heads": st.sampled_from([1, 2]),
+        "group": st.sampled_from([1, 2, 3]),
+        "tokens": st.integers(1, 40),
+        "d": st.sampled_from([1, 4, 8]),
+        "d_v": st.sampled_from([2, 5]),
+        "kind": st.sampled_from(["full", "causal", "window", "alibi", "alibi-window", "alibi-all"]),
+        "window": st.integers(1, 9),
+        "block": st.integers(1, 48),
+    }
+)
+
+
+def _unpack(c):
+    heads = c["kv_heads"] * c["group"]
+    q, k, v = _tensors(c["seed"], c["batch"], heads, c["kv_heads"], c["tokens"], c["d"], c["d_v"])
+    kind = c["kind"]
+    causal = kind in ("causal", "window", "alibi", "alibi-window")
+    window = c["window"] if kind in ("window", "alibi-window") else None
+    slopes = AF.alibi_slopes(heads).float() if kind.startswith("alibi") else None
+    return q, k, v, causal, window, slopes
+
+
+@FAST
+@given(cases)
+def test_blocked_equals_attend_and_sdpa(c):
+    q, k, v, causal, window, slopes = _unpack(c)
+    out = AF.blocked_attention(
+        q, k, v, causal=causal, window=window, bias_slopes=slopes, block=c["block"]
+    )
+    context, _ = _reference(q, k, v, causal, window, slopes)
+    torch.testing.assert_close(out, context, atol=2e-5, rtol=1e-4)
+    # torch's own: the grouped heads repeated, the mask and bias as one additive mask
+    group = q.shape[1] // k.shape[1]
+    kr, vr = AF.repeat_kv(k, group), AF.repeat_kv(v, group)
+    tokens = q.shape[-2]
+    mask = torch.zeros(tokens, tokens)
+    if causal:
+        hide = AF.causal_mask(tokens) if window is None else AF.sliding_window_mask(tokens, window)
+        mask = mask.masked_fill(hide, -torch.inf)
+    if slopes is not None:
+        mask = mask + AF.alibi_bias(slopes, tokens).float()
+    sdpa = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+    torch.testing.assert_close(out, sdpa, atol=2e-5, rtol=1e-4)
+
+
+@FAST
+@given(cases, st.data())
+def test_blocked_rows_are_the_same_rows(c, data):
+    q, k, v, causal, window, slopes = _unpack(c)
+    tokens = q.shape[-2]
+    rows = data.draw(st.lists(st.integers(0, tokens - 1), min_size=1, max_size=4, unique=True))
+    out = AF.blocked_attention(
+        q, k, v, causal=causal, window=window, bias_slopes=slopes, block=c["block"], rows=rows
+    )
+    context, record = _reference(q, k, v, causal, window, slopes)
+    torch.testing.assert_close(out, context[..., rows, :], atol=2e-5, rtol=1e-4)
+    stages = AF.attend_rows(q, k, rows, causal=causal, window=window, bias_slopes=slopes)
+    assert set(stages) == {s for s in record if s != "context"}
+    for name, tensor in stages.items():
+        torch.testing.assert_close(tensor, record[name][..., rows, :], atol=1e-5, rtol=1e-5)
+
+
+@FAST
+@given(cases, st.integers(1, 6))
+def test_summary_equals_the_full_softmax(c, k):
+    q, kk, v, causal, window, slopes = _unpack(c)
+    context, s = AF.attention_summary(
+        q, kk, v, causal=causal, window=window, bias_slopes=slopes, block=c["block"], k=k
+    )
+    ref_context, record = _reference(q, kk, v, causal, window, slopes)
+    torch.testing.assert_close(context, ref_context, atol=2e-5, rtol=1e-4)
+    want = AF.summarize_weights(record["weights"], k=k)
+    for name in SUMMARY_FIELDS:
+        torch.testing.assert_close(getattr(s, name), getattr(want, name), atol=1e-4, rtol=1e-4)
+    w = record["weights"]
+    # keys: the largest weight's key holds the largest weight (exact ties may differ)
+    held = w.gather(-1, s.max_key.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(held, want.max_weight, atol=1e-6, rtol=1e-5)
+    top = w.gather(-1, s.top_keys.clamp(min=0))
+    torch.testing.assert_close(torch.where(s.top_keys >= 0, top, 0.0), want.top_weights)
+    assert s.top_keys.shape == (*w.shape[:-1], k)
+
+
+def test_summary_by_hand():
+    """One query, three keys with known weights: every field from its definition."""
+    q = torch.zeros(1, 1, 3, 1)
+    k = torch.zeros(1, 1, 3, 1)
+    v = torch.zeros(1, 1, 3, 1)
+    # all scores equal: query 2 sees keys 0, 1, 2 equally
+    _, s = AF.attention_summary(q, k, v, causal=True, block=2, k=4)
+    third = torch.tensor(1 / 3)
+    torch.testing.assert_close(s.entropy[0, 0, 2], torch.log(torch.tensor(3.0)))
+    torch.testing.assert_close(s.max_weight[0, 0, 2], third)
+    assert s.max_key[0, 0, 2] == 0  # the first of equal keys
+    assert s.top_keys[0, 0, 2].tolist()[3] == -1  # only three keys to see
+    torch.testing.assert_close(s.sink_weight[0, 0], torch.tensor([1.0, 0.5, 1 / 3]))
+    torch.testing.assert_close(s.mean_distance[0, 0], torch.tensor([0.0, 0.5, 1.0]))
+    assert s.entropy[0, 0, 0] == 0
+
+
+def test_window_hides_the_sink():
+    q, k, v = _tensors(0, 1, 2, 1, 12, 4, 3)
+    _, s = AF.attention_summary(q, k, v, causal=True, window=4, block=5)
+    assert (s.sink_weight[..., 4:] == 0).all() and (s.sink_weight[..., :4] > 0).all()
+    assert (s.mean_distance <= 3 + 1e-5).all()
+
+
+def test_blocked_errors():
+    q, k, v = _tensors(0, 1, 4, 2, 6, 4, 4)
+    with pytest.raises(attnscope.AttnScopeError, match="window"):
+        AF.blocked_attention(q, k, v, window=3)
+    with pytest.raises(attnscope.AttnScopeError, match="block"):
+        AF.blocked_attention(q, k, v, block=0)
+    with pytest.raises(attnscope.AttnScopeError, match="bias_slopes"):
+        AF.blocked_attention(q, k, v, bias_slopes=torch.ones(3))
+    with pytest.raises(attnscope.AttnScopeError, match="rows"):
+        AF.blocked_attention(q, k, v, rows=[6])
+    with pytest.raises(attnscope.AttnScopeError, match="distinct"):
+        AF.blocked_attention(q, k, v, rows=[1, 1])
+    with pytest.raises(attnscope.AttnScopeError, match="keys"):
+        AF.blocked_attention(q, k[:, :, :, :3], v)
+
+
+def test_blocked_never_holds_the_matrix():
+    """Peak extra memory scales with block * tokens, not tokens squared: at 4,096 tokens
+    a (T, T) float matrix alone is 64 MiB; the blocked pass stays far under it."""
+    tokens = 4096
+    q, k, v = _tensors(1, 1, 1, 1, tokens, 16, 16)
+    rows = [0, tokens - 1]
+    seen = []
+    real_matmul = torch.Tensor.__matmul__
+
+    def spy(a, b):
+        out = real_matmul(a, b)
+        seen.append(out.numel())
+        return out
+
+    torch.Tensor.__matmul__ = spy
+    try:
+        out, s = AF.attention_summary(q, k, v, causal=True, block=256)
+        AF.attend_rows(q, k, rows, causal=True)
+    finally:
+        torch.Tensor.__matmul__ = real_matmul
+    assert max(seen) <= 256 * 256 or max(seen) <= len(rows) * tokens
+    assert max(seen) < tokens * tokens // 100
+    assert out.shape == (1, 1, tokens, 16) and s.entropy.shape == (1, 1, tokens)
+
+
+# --- row traces ------------------------------------------------------------------------------
+
+
+def _modules():
+    torch.manual_seed(7)
+    return {
+        "v1": attnscope.SelfAttentionV1(8, 6),
+        "v2": attnscope.SelfAttentionV2(8, 6),
+        "causal": attnscope.CausalAttention(8, 6, 30, 0.0),
+        "mha": attnscope.MultiHeadAttention(8, 12, 30, 0.0, 3),
+        "mha-bidirectional": attnscope.MultiHeadAttention(8, 12, 30, 0.0, 3, causal=False),
+        "gqa-rope": GroupedQueryAttention(8, 16, 4, 2),
+        "mqa-window": GroupedQueryAttention(8, 16, 4, 1, window=5),
+        "gqa-alibi": GroupedQueryAttention(8, 16, 4, 2, alibi=True),
+        "qknorm-interleaved": GroupedQueryAttention(
+            8, 16, 4, 4, qk_norm="per-head", rope_pairing="interleaved"
+        ),
+        "alibi-window": GroupedQueryAttention(8, 16, 4, 2, alibi=True, window=4),
+    }
+
+
+MODULES = _modules()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("name", list(MODULES))
+def test_row_trace_equals_rows_of_the_full_trace(name, batched):
+    module = MODULES[name]
+    torch.manual_seed(3)
+    x = torch.randn(2, 23, 8) if batched else torch.randn(23, 8)
+    rows = [22, 3, 0]
+    full, rt = module.trace(x), attnscope.trace(module, x, rows=rows, block=4)
+    assert rt.rows == tuple(rows) and full.rows is None
+    assert list(rt.stages) == list(full.stages)
+    matrix = {s.value for s in MATRIX_STAGES}
+    for stage, tensor in rt.stages.items():
+        want = full[stage][..., rows, :] if stage in matrix else full[stage]
+        torch.testing.assert_close(tensor, want, atol=1e-5, rtol=1e-5)
+    assert all(c.ok for c in rt.shape_checks())
+    assert rt.predicted_shape("weights") == (*full["weights"].shape[:-2], 3, 23)
+    assert rt.walk(3).matches and rt.walk(22).matches
+    with pytest.raises(attnscope.AttnScopeError, match="traced rows"):
+        rt.walk(5)
+    for field in SUMMARY_FIELDS:
+        torch.testing.assert_close(
+            getattr(rt.summary, field), getattr(full.summary, field), atol=1e-4, rtol=1e-4
+        )
+    assert torch.equal(rt.summary.max_key, full.summary.max_key)
+    assert rt.summary.entropy.shape == full["context"].shape[:-1]
+
+
+def test_row_trace_of_cross_attention():
+    torch.manual_seed(5)
+    module = GroupedQueryAttention(8, 16, 4, 2, cross=True)
+    x, ctx = torch.randn(2, 7, 8), torch.randn(2, 11, 8)
+    full, rt = module.trace(x, context=ctx), module.trace(x, context=ctx, rows=[6, 1])
+    torch.testing.assert_close(rt["weights"], full["weights"][..., [6, 1], :])
+    torch.testing.assert_close(rt.result, full.result, atol=1e-6, rtol=1e-5)
+    assert rt["weights"].shape == (2, 4, 2, 11) and rt.walk(1).matches
+
+
+def test_row_trace_negative_rows_and_errors():
+    module = MODULES["mha"]
+    x = torch.randn(10, 8)
+    assert module.trace(x, rows=[-1]).rows == (9,)
+    for rows, match in (([10], "from 0 to 9"), ([], "at least one"), ([1, 1], "distinct")):
+        with pytest.raises(attnscope.AttnScopeError, match=match):
+            module.trace(x, rows=rows)
+    with pytest.raises(attnscope.AttnScopeError, match="rows"):
+        attnscope.trace("simplified", x, rows=[1])
+
+
+def test_row_trace_of_a_long_input_stays_small():
+    """2,048 tokens, two rows: the matrix stages are (H, 2, T), the context whole."""
+    torch.manual_seed(0)
+    module = GroupedQueryAttention(16, 32, 4, 2, window=64)
+    x = torch.randn(2048, 16)
+    rt = module.trace(x, rows=[0, 2047], block=256)
+    assert rt["weights"].shape == (4, 2, 2048)
+    assert rt["context"].shape == (4, 2048, 8)
+    torch.testing.assert_close(rt.result, module(x), atol=1e-5, rtol=1e-4)
+    assert rt.walk(2047).matches
+    assert (rt.summary.mean_distance <= 63 + 1e-3).all()
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def test_cli_trace_rows(tmp_path, capsys):
+    import numpy as np
+
+    from attnscope.cli import main
+
+    path = tmp_path / "x.npy"
+    np.save(path, np.random.default_rng(0).standard_normal((300, 3)).astype("float32"))
+    assert main(["trace", "--kind", "gqa", "--input", str(path), "--rows", "0,299"]) == 0
+    out = capsys.readouterr().out
+    assert "weights          (4, 2, 300)" in out and "rows: 0 (0), 299 (299)" in out
+    assert "summary" in out and "walk: token 0" in out
+    for argv, message in (
+        (["--rows", "0,300"], "--rows: expected positions from 0 to 299 (300 tokens), got 300"),
+        (["--rows", "x"], "expected query positions separated by commas"),
+        (["--rows", "1", "--token", "2"], "--token: expected one of --rows 1"),
+    ):
+        assert main(["trace", "--input", str(path), *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
