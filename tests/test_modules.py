@@ -140,3 +140,28 @@ def test_dropout_applies_in_training_only():
 def test_float64_modules_accept_float64_input(inputs):
     module = SelfAttentionV2(3, 2).double()
     assert module(inputs.double()).dtype == torch.float64
+
+
+def test_the_books_modules_hold_no_context_length_squared_mask():
+    """65,536 tokens of context cost no (T, T) buffer: masks are built per call."""
+    for module in (
+        attnscope.CausalAttention(3, 2, 65_536, 0.0),
+        attnscope.MultiHeadAttention(4, 4, 65_536, 0.0, num_heads=2),
+    ):
+        assert list(module.buffers()) == []
+
+
+def test_state_dicts_move_both_ways_with_the_books_classes():
+    """The book's state dict (with its mask) loads into ours, and ours into the book's."""
+    book = pytest.importorskip("llms_from_scratch.ch03", reason="llms-from-scratch not installed")
+    torch.manual_seed(0)
+    theirs = book.MultiHeadAttention(4, 4, 6, 0.0, num_heads=2)
+    ours = attnscope.MultiHeadAttention(4, 4, 6, 0.0, num_heads=2)
+    ours.load_state_dict(theirs.state_dict())  # strict: the mask is accepted
+    x = torch.randn(2, 6, 4)
+    torch.testing.assert_close(ours(x), theirs(x))
+    again = book.MultiHeadAttention(4, 4, 6, 0.0, num_heads=2)
+    again.load_state_dict(ours.state_dict())  # strict: ours writes the mask it expects
+    torch.testing.assert_close(again(x), theirs(x))
+    causal_theirs = book.CausalAttention(4, 2, 6, 0.0)
+    attnscope.CausalAttention(4, 2, 6, 0.0).load_state_dict(causal_theirs.state_dict())

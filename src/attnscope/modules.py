@@ -32,6 +32,40 @@ def _probability(name: str, value: object) -> float:
     return float(value)
 
 
+class _BookMask:
+    """The book's ``mask`` buffer, without its ``(context_length, context_length)`` memory.
+
+    The book registers ``torch.triu(ones(n, n), 1)`` as a buffer: 16 GiB of floats at 65,536
+    tokens. The modules here build their masks per call from positions instead. So that state
+    dicts still move both ways, a ``mask`` saved by the book's class is accepted (and
+    dropped) on load, and ``state_dict()`` writes one, built at that moment; ``module.mask``
+    builds it on request too.
+    """
+
+    @staticmethod
+    def install(module: nn.Module) -> None:
+        module._register_state_dict_hook(_BookMask._save)
+        module._register_load_state_dict_pre_hook(_BookMask._load, with_module=True)
+
+    @staticmethod
+    def build(n: int) -> torch.Tensor:
+        return torch.triu(torch.ones(n, n), diagonal=1)
+
+    @staticmethod
+    def _save(module, state, prefix, local_metadata):
+        # where torch puts a module's own buffer: before its submodules' entries
+        items = list(state.items())
+        at = next((i for i, (k, _) in enumerate(items) if k.startswith(prefix)), len(items))
+        items.insert(at, (prefix + "mask", _BookMask.build(module.context_length)))
+        state.clear()
+        state.update(items)
+        return state
+
+    @staticmethod
+    def _load(module, state, prefix, *args, **kwargs):
+        state.pop(prefix + "mask", None)
+
+
 class SelfAttentionV1(Traceable):
     """Self-attention with ``nn.Parameter`` weight matrices stored ``(d_in, d_out)``.
 
@@ -127,14 +161,16 @@ class CausalAttention(SelfAttentionV2):
         super().__init__(d_in, d_out, qkv_bias=qkv_bias)
         self.context_length = _positive_int("context_length", context_length)
         self.dropout = nn.Dropout(_probability("dropout", dropout))
-        self.register_buffer(
-            "mask", torch.triu(torch.ones(context_length, context_length), diagonal=1)
-        )
+        _BookMask.install(self)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The book's ``(context_length, context_length)`` mask (1 above the diagonal), built
+        on request: the computation builds its masks per call (see :class:`_BookMask`)."""
+        return _BookMask.build(self.context_length)
 
     def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
-        return self._attend(
-            *self._project(x, record), record, causal=True, mask=self.mask, dropout=self.dropout
-        )
+        return self._attend(*self._project(x, record), record, causal=True, dropout=self.dropout)
 
 
 class MultiHeadAttention(Traceable):
@@ -178,9 +214,13 @@ class MultiHeadAttention(Traceable):
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(_probability("dropout", dropout))
-        self.register_buffer(
-            "mask", torch.triu(torch.ones(context_length, context_length), diagonal=1)
-        )
+        _BookMask.install(self)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The book's ``(context_length, context_length)`` mask, built on request (see
+        :class:`_BookMask`)."""
+        return _BookMask.build(self.context_length)
 
     @property
     def kind(self) -> str:  # type: ignore[override]
@@ -214,9 +254,7 @@ class MultiHeadAttention(Traceable):
         q, k, v = (self._heads(x, lin) for lin in (self.W_query, self.W_key, self.W_value))
         if record is not None:
             record.update(queries=q, keys=k, values=v)
-        context = self._attend(
-            q, k, v, record, causal=self.causal, mask=self.mask, dropout=self.dropout
-        )
+        context = self._attend(q, k, v, record, causal=self.causal, dropout=self.dropout)
         out = self.out_proj(AF.merge_heads(context))  # (B, T, d_out)
         if record is not None:
             record[Stage.OUTPUT.value] = out
