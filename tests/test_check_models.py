@@ -130,3 +130,10 @@ def test_assert_attention_holds_every_layer_of_a_model():
     assert assert_attention(_book_gpt).ok
     with pytest.raises(AttentionMismatch, match="trf_blocks.1.att"):
         assert_attention(_book_gpt_with_a_bug_in_layer_1)
+
+
+def test_a_hugging_face_model_class_is_built_small_from_its_config_defaults():
+    """LlamaConfig's defaults are a 7B model: built small, and the report says so."""
+    report = check("transformers.models.llama.modeling_llama:LlamaModel")
+    assert report.ok and len(report.layers) == 2
+    assert any("made small" in n and "--init" in n for n in report.notes)

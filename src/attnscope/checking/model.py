@@ -90,4 +90,6 @@ def check_model(
         sub = Target(layer, f"{tgt.text} {path}", "instance")
         report = ModuleProbe(sub, kind, seed, timeout, None, tokens, host=host).run()
         reports.append((path, report))
-    return ModelReport.of(tgt.text, reports)
+    report = ModelReport.of(tgt.text, reports)
+    report.notes = list(tgt.notes)
+    return report

@@ -159,7 +159,7 @@ class ModuleProbe:
         self.kind = None if kind is None else Kind.of(kind)
         self.fixed_tokens = tokens
         self.module: nn.Module = tgt.obj
-        self.notes: list[str] = []
+        self.notes: list[str] = list(tgt.notes)
         self.kind_reason = ""
         self.causal_hint = False
         self.gen = torch.Generator().manual_seed(seed)

@@ -17,7 +17,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -151,6 +151,7 @@ class Target:
     text: str
     origin: str  # "instance", "factory", "class" or "function"
     init: dict | None = None
+    notes: list[str] = field(default_factory=list)  # how it was made, for the report
 
     @property
     def is_module(self) -> bool:
@@ -316,8 +317,9 @@ def load(
                 f"{obj.__name__}"
             )
         config_cls = _config_class(obj)
+        made: list[str] = []
         if config_cls is not None:  # a Hugging Face layer: built from its config's defaults
-            kwargs = {"config": _build_config(config_cls, init or {})}
+            kwargs = {"config": _build_config(config_cls, init or {}, made)}
             kwargs.update(_layer_index(obj))
         else:
             kwargs = dict(init) if init is not None else infer_init(obj, kind, tokens)
@@ -331,7 +333,7 @@ def load(
                 f"{obj.__name__}({_kw(kwargs)}) raised {_exc_line(exc)}; pass constructor "
                 "arguments with --init '{...}'"
             ) from None
-        return Target(module, text, "class", kwargs)
+        return Target(module, text, "class", kwargs, made)
     if callable(obj):
         if init:
             raise AttnScopeError("--init: expected a class, but the target is a function")
@@ -390,15 +392,68 @@ def _layer_index(cls: type) -> dict:
     }
 
 
-def _build_config(config_cls: type, init: dict) -> object:
-    """The config with its defaults, ``--init`` fields replacing them."""
+#: a config's defaults shrunk to this when they describe a big model (Llama's are 7B
+#: parameters, 26 GB in float32): the checks do not depend on the size
+_SMALL_CONFIG = {
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "n_inner": 128,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "vocab_size": 512,
+}
+_BIG = 5e7  # parameters, roughly: above this the defaults are shrunk (without --init)
+
+
+def _build_config(config_cls: type, init: dict, notes: list[str] | None = None) -> object:
+    """The config with its defaults, ``--init`` fields replacing them; without ``--init``,
+    defaults that describe a big model are shrunk (said in ``notes``)."""
     try:
-        return config_cls(**init)
+        config = config_cls(**init)
     except (Exception, SystemExit) as exc:
         raise AttnScopeError(
             f"{config_cls.__name__}({_kw(init)}) raised {_exc_line(exc)}; --init gives the "
             "config's fields for a layer built from a config"
         ) from None
+    if init:
+        return config
+    width = next(
+        (
+            getattr(config, k)
+            for k in ("hidden_size", "n_embd", "d_model")
+            if isinstance(getattr(config, k, None), int)
+        ),
+        0,
+    )
+    layers = next(
+        (
+            getattr(config, k)
+            for k in ("num_hidden_layers", "n_layer")
+            if isinstance(getattr(config, k, None), int)
+        ),
+        1,
+    )
+    if 12 * width * width * max(layers, 1) <= _BIG:
+        return config
+    small = {k: v for k, v in _SMALL_CONFIG.items() if isinstance(getattr(config, k, None), int)}
+    if "num_key_value_heads" in small and not getattr(config, "num_key_value_heads", None):
+        small.pop("num_key_value_heads")
+    try:
+        config = config_cls(**small)
+    except (Exception, SystemExit):
+        return config_cls()
+    if notes is not None:
+        notes.append(
+            f"built from {config_cls.__name__}'s defaults made small ({_kw(small)}): the "
+            "checks do not depend on the size; --init sets the fields"
+        )
+    return config
 
 
 def _kw(kwargs: dict) -> str:

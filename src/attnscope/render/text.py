@@ -371,6 +371,8 @@ def model_text(report: ModelReport, color: bool | None = None) -> str:
             "" if failure is None else f"{failure.stage.value} / {failure.mistake}",
         )
     out.print(table)
+    for note in report.notes:
+        out.line("note: ", note)
     failing = next((r for _, r in report.layers if not r.ok), None)
     if failing is not None:
         out.line()
