@@ -77,9 +77,16 @@ def check(
                 try:
                     return ModuleProbe(tgt, kind, seed, timeout, weights, tokens).run()
                 except AttnScopeError as exc:
-                    if not _a_model(tgt, exc):
+                    if _a_model(tgt, exc):
+                        return check_model(tgt, seed, timeout, tokens, kind)
+                    own = _with_its_defaults(tgt, init, seed, exc)
+                    if own is None:
                         raise
-                return check_model(tgt, seed, timeout, tokens, kind)
+                    first = exc
+                try:
+                    return ModuleProbe(own, kind, seed, timeout, weights, tokens).run()
+                except AttnScopeError:
+                    raise first from None
             return _FunctionCheck(tgt, kind, seed, timeout).run()
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             if isinstance(exc, AttnScopeError):
@@ -90,6 +97,32 @@ def check(
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); naming the weights with "
                 "--weights or the kind with --kind may help, and this is worth reporting"
             ) from exc
+
+
+def _with_its_defaults(tgt, init, seed: int, exc: AttnScopeError):
+    """A class built from sizes attnscope picked that do not fit together (its code raised on
+    every probe), built again from its own defaults, where it has one for everything."""
+    raised = "raised on every probe" in str(exc) or "Every probe raised" in str(exc)
+    if tgt.origin != "class" or init is not None or not raised:
+        return None
+    cls = type(tgt.obj)
+    try:
+        sig = inspect.signature(cls.__init__)
+        if any(
+            p.default is inspect.Parameter.empty
+            for n, p in sig.parameters.items()
+            if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ):
+            return None
+        torch.manual_seed(seed)
+        module = cls()
+    except Exception:  # its own defaults do not build either: the first error stands
+        return None
+    note = (
+        f"built with its own defaults: the sizes attnscope picks ({tgt.init}) do not fit "
+        "together in it"
+    )
+    return Target(module, tgt.text, "class", {}, [*tgt.notes, note])
 
 
 def _a_model(tgt, exc: AttnScopeError) -> bool:

@@ -24,7 +24,7 @@ T = torch.Tensor
 
 _SCALAR_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "__rtruediv__", "mul_", "div_"}
 _ROTARY_CALLS = {"view_as_complex", "view_as_real", "polar", "complex"}
-_NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt"}
+_NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt", "normalize", "norm", "vector_norm"}
 MASKING_OPS = {"masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub"}
 MASKING_OPS |= {"__sub__", "mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
 

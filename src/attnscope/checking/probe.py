@@ -316,8 +316,10 @@ class ModuleProbe:
         raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors[:3]))
 
     def _required_beyond_input(self) -> list[str]:
-        """Required forward arguments after the first that are not another sequence: the
-        three-input (q, k, v) and two-input (cross-attention) calls excepted."""
+        """Required forward arguments after the first that are not another sequence: a
+        cache, positions or a mask of the layer's own. A tensor-typed (or unannotated)
+        second or third argument is taken for a sequence (cross-attention's context,
+        ``(query, key, value)``), unless its name says cache, past, position or mask."""
         try:
             sig = inspect.signature(self.module.forward)
         except (TypeError, ValueError):
@@ -327,8 +329,18 @@ class ModuleProbe:
             for p in sig.parameters.values()
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
         ][1:]
-        if len(required) == 2 and not self.adapter["hf"]:
-            return []  # (query, key, value)
+        hints = ("cache", "past", "pos", "mask", "offset", "freqs", "rope", "cos", "sin")
+
+        def a_sequence(p) -> bool:
+            ann = p.annotation
+            if isinstance(ann, str):
+                typed = ann.split(".")[-1] in ("Tensor", "FloatTensor", "empty")
+            else:
+                typed = ann is p.empty or ann is torch.Tensor
+            return typed and not any(h in p.name.lower() for h in hints)
+
+        if len(required) <= 2 and not self.adapter["hf"] and all(map(a_sequence, required)):
+            return []
         return [p.name for p in required]
 
     def _recorder(self, x: torch.Tensor, *more: torch.Tensor) -> Recorder:

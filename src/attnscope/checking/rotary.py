@@ -54,16 +54,35 @@ class Rope:
         f = self.inv_freq
         if len(f) < 2 or min(f) <= 0:
             return None
-        # log f_i = -(2i / rot) log base: least squares over every pair, float32 tables
+        # log f_i = log(1 / factor) - (2i / rot) log base: a line through every pair (a
+        # linear position scaling divides every frequency by its factor); float32 tables
+        # pin the slow frequencies (tiny angles) only to a few digits
         xs = [2 * i / self.rot for i in range(len(f))]
-        log_base = -sum(x * math.log(v) for x, v in zip(xs, f, strict=True)) / sum(
-            x * x for x in xs
+        ys = [math.log(v) for v in f]
+        ws = [v * v for v in f]  # a fast pair's angle is read far more precisely
+
+        def fits(intercept: float, slope: float) -> bool:
+            return slope < 0 and all(
+                math.isclose(v, math.exp(intercept + slope * x), rel_tol=3e-2)
+                for x, v in zip(xs, f, strict=True)
+            )
+
+        # plain geometric frequencies (log f_i = -x_i log base) first
+        slope = sum(w * x * y for w, x, y in zip(ws, xs, ys, strict=True)) / sum(
+            w * x * x for w, x in zip(ws, xs, strict=True)
         )
-        base = math.exp(log_base)
-        want = [base ** (-x) for x in xs]
-        # float32 tables pin slow frequencies (tiny angles) only to a few digits
-        if not all(math.isclose(a, b, rel_tol=3e-2) for a, b in zip(f, want, strict=True)):
-            return None
+        intercept = 0.0
+        if not fits(0.0, slope):
+            sw = sum(ws)
+            mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
+            my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
+            slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sum(
+                w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True)
+            )
+            intercept = my - slope * mx
+            if not fits(intercept, slope):
+                return None
+        base = math.exp(-slope)
         return float(f"{base:.3g}")
 
     def rotate(self, t: T, offset: int = 0, pairing: str | None = None) -> T:
