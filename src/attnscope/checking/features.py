@@ -52,9 +52,9 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
     for w in range(1, n):
         if torch.equal(h, ones.triu(1) | ones.tril(-w)):
             return ("window", w)
-        for d in (0, 2):  # a band whose diagonal is off: causal all the same (a mistake)
+        for d in (0, 2):  # a window whose diagonal is off: the window all the same (a mistake)
             if torch.equal(h, ones.triu(d) | ones.tril(-w)):
-                return ("causal", d)
+                return ("window", w)
     return None
 
 

@@ -770,8 +770,12 @@ class ModuleProbe:
             if binding.num_heads:
                 taken |= {binding.num_heads, binding.d_out // binding.num_heads}
         limit = self._context_limit()
-        for n in (SIZES["tokens"], 5, 6, 11, 13, 9, 3, 17, 19, 4, 8):
-            if n not in taken and (limit is None or n <= limit):
+        # a declared window shorter than the probe, by more than one key: a window one key
+        # too wide must not read as no window at all
+        window = self._declared_window()
+        least = window + 3 if window is not None and window <= 32 else 2
+        for n in (SIZES["tokens"], 5, 6, 11, 13, 9, 3, 17, 19, 4, 8, 23, 29, 31, 37):
+            if n not in taken and n >= least and (limit is None or n <= limit):
                 return n
         return max(2, min(limit or 7, 7))
 

@@ -170,6 +170,8 @@ class Mutation:
     bias: Callable[[int, int], T | None] | None = None  # (heads, tokens) -> position bias
     kv_from_queries: bool = False  # cross-attention: keys and values from the wrong input
     expand_kv: Callable[[T, int], T] | None = None
+    expand_keys: Callable[[T, int], T] | None = None  # keys alone (values by expand_kv)
+    expand_values: Callable[[T, int], T] | None = None
     replace: dict[str, T] = field(default_factory=dict)  # stage name -> the user's tensor
     user_dim: int | None = None  # softmax over this axis of the user's own layout
     facts: dict = field(default_factory=dict)
@@ -269,7 +271,7 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
     """Scores, scaled scores, masked scores (causal kinds) and weights: ``(B, H, T, T)``."""
     qh = st.get("rotated_queries", st.get("normed_queries", st["queries"]))
     kh = st.get("rotated_keys", st.get("normed_keys", st["keys"]))
-    kh = (mut.expand_kv or expand_kv)(kh, spec.group)
+    kh = (mut.expand_keys or mut.expand_kv or expand_kv)(kh, spec.group)
     if mut.flatten_batch:  # the batch folded into the tokens: every sequence sees all others
         qh, kh = (_fold_batch(t) for t in (qh, kh))
     scores = sub.get("scores", mut.scores(qh, kh) if mut.scores else qh @ kh.transpose(-2, -1))
@@ -317,7 +319,7 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
 
 def _output(st: dict[str, T], spec: Spec, w: Weights | None, mut: Mutation, sub) -> dict:
     """Context ``(B, H, T, hd)``, then the heads merged and projected: ``(B, T, d)``."""
-    vh = (mut.expand_kv or expand_kv)(st["values"], spec.group)
+    vh = (mut.expand_values or mut.expand_kv or expand_kv)(st["values"], spec.group)
     vh = _fold_batch(vh) if mut.flatten_batch else vh
     weights = st["weights"]
     context = sub.get("context", mut.context(weights, vh) if mut.context else weights @ vh)

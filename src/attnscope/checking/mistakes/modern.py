@@ -133,13 +133,29 @@ def _kv_group_mapping(c: Context) -> list[Mutation]:
     s = c.spec
     if s.kv >= s.num_heads or s.kv <= 1:
         return []
+    tiled = lambda t, g: t.repeat(1, g, 1, 1)  # noqa: E731  (head h reads h % kv_heads)
+    right = lambda t, g: t.repeat_interleave(g, dim=1)  # noqa: E731
     return [
         Mutation(
             "kv_group_mapping",
             Stage.SCORES,
             f"query head h reading key/value head h % {s.kv} (repeat, not repeat_interleave)",
-            expand_kv=lambda t, g: t.repeat(1, g, 1, 1),
-        )
+            expand_kv=tiled,
+        ),
+        Mutation(
+            "kv_group_mapping",
+            Stage.SCORES,
+            f"query head h reading key head h % {s.kv} (the values grouped right)",
+            expand_keys=tiled,
+            expand_values=right,
+        ),
+        Mutation(
+            "kv_group_mapping",
+            Stage.CONTEXT,
+            f"query head h reading value head h % {s.kv} (the keys grouped right)",
+            expand_keys=right,
+            expand_values=tiled,
+        ),
     ]
 
 
