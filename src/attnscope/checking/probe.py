@@ -604,6 +604,8 @@ class ModuleProbe:
         """A layer checked as cross-attention whose keys and values do not read its second
         input: probe it with one all the same (the reference reads it; the layer's output
         then shows the mistake)."""
+        if self.adapter.get("optional_second"):  # forward(x, encoder_hidden_states=None)
+            self.adapter["pair"] = True
         if not self.adapter["pair"]:
             raise AttnScopeError(
                 f"{self.tgt.text}: --kind cross: expected a layer that takes a second sequence "
@@ -838,7 +840,22 @@ class ModuleProbe:
         if len(params) < 2:
             return None
         name = params[1].name
-        hints = ("encoder", "context", "memory", "cross", "source", "enc_", "xa", "image")
+        hints = (
+            "encoder",
+            "context",
+            "memory",
+            "cross",
+            "source",
+            "enc_",
+            "xa",
+            "image",
+            "media",
+            "vision",
+            "visual",
+            "audio",
+            "kv_input",
+            "y",
+        )
         return name if any(h in name.lower() for h in hints) else None
 
     def _window(self) -> int | None:

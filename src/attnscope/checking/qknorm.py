@@ -158,6 +158,7 @@ def gains_on_path(ops, graph, path: list, widths: set[int]) -> list[tuple[T | No
     """Gains (and shifts) the path multiplies (adds) by a tensor made from parameters,
     ``widths`` wide in all: a norm's affine part, as candidates (with none first)."""
     muls, adds = [], []
+    norm_gains, norm_shifts = [], []
     for op in path:
         if op.name in ("layer_norm", "rms_norm"):  # F.layer_norm(x, shape, weight, bias, eps)
             args = list(op.call_args) + [None] * 5
@@ -165,13 +166,21 @@ def gains_on_path(ops, graph, path: list, widths: set[int]) -> list[tuple[T | No
             b = op.call_kwargs.get("bias", args[3] if op.name == "layer_norm" else None)
             if isinstance(w, T):
                 muls.append(w.detach().double())
+                norm_gains.append(muls[-1].flatten())
             if isinstance(b, T):
                 adds.append(b.detach().double())
+                norm_shifts.append(adds[-1].flatten())
         if op.name in ("mul", "__mul__", "__rmul__", "mul_", "add", "__add__", "__radd__", "add_"):
             for a in op.args:
                 t = ops[a].output
                 if graph.param[a] and not graph.tainted[a] and t.numel() in widths:
                     (muls if "mul" in op.name else adds).append(t.detach().double().flatten())
+    # one norm per head (StableLM's ModuleList of LayerNorms): their gains side by side
+    for parts, store in ((norm_gains, muls), (norm_shifts, adds)):
+        if len(parts) > 1 and len({p.numel() for p in parts}) == 1:
+            joined = torch.cat(parts)
+            if joined.numel() in widths:
+                store.insert(0, joined)
     out: list[tuple[T | None, T | None]] = [(g, b) for g in muls for b in adds] if adds else []
     out += [(g, None) for g in muls] + [(None, None)]
     return out
