@@ -12,6 +12,7 @@ recorded.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 from torch import nn
@@ -36,23 +37,67 @@ def token_vocabulary(model: nn.Module) -> int | None:
 
 @dataclasses.dataclass
 class ModelHost:
-    """How to run the model around a layer: on token ids (``vocab``) or on vectors."""
+    """The model around the layers checked: how to run it (on token ids below ``vocab``, or
+    on vectors ``width`` wide), and what it hands each layer, captured once per input size
+    on one run of the whole model and then reused by every probe of every layer."""
 
     model: nn.Module
-    path: str  # the layer's dotted module path
+    path: str  # the layer being checked (set per layer)
     vocab: int | None
     width: int | None  # the model's input width when it takes vectors
     timeout: float | None
+    layers: list[nn.Module] = dataclasses.field(default_factory=list)
+    seed: int = 0
+    _inputs: dict = dataclasses.field(default_factory=dict)
+    _arguments: dict = dataclasses.field(default_factory=dict)
 
     def call(self, x: torch.Tensor):
-        """Run the model on ``x`` (ids or vectors): ``(output, None)`` or ``(None, error)``."""
-        result, err = call_safely(self.model, x, timeout=self.timeout)
+        """Run the model on ``x`` (ids or vectors): ``(output, None)`` or ``(None, error)``.
+
+        Without its key/value cache: the arguments a layer gets are replayed to it many
+        times, and a cache would grow with every replay."""
+        extra = {"use_cache": False} if _takes(self.model, "use_cache") else {}
+        result, err = call_safely(self.model, x, timeout=self.timeout, **extra)
         return (None, err) if err is not None else (first_tensor(result), None)
 
-    def input(self, b: int, n: int, gen: torch.Generator) -> torch.Tensor:
-        if self.vocab is not None:
-            return torch.randint(0, self.vocab, (b, n), generator=gen)
-        return torch.randn(b, n, self.width, generator=gen)
+    def input(self, b: int, n: int, gen: torch.Generator | None = None) -> torch.Tensor:
+        """The model's input for ``b`` sequences of ``n`` tokens (the same every time)."""
+        if (b, n) not in self._inputs:
+            g = torch.Generator().manual_seed(self.seed + 7919 * b + n)
+            if self.vocab is not None:
+                self._inputs[(b, n)] = torch.randint(0, self.vocab, (b, n), generator=g)
+            else:
+                self._inputs[(b, n)] = torch.randn(b, n, self.width, generator=g)
+        return self._inputs[(b, n)]
+
+    def arguments(self, layer: nn.Module, b: int, n: int) -> tuple[tuple, dict] | str:
+        """What the model hands ``layer`` for an input of that size: ``(args, kwargs)``, or
+        the error the model raised on the way."""
+        key = (b, n)
+        if key not in self._arguments:
+            seen: dict[int, tuple[tuple, dict]] = {}
+
+            def grab(mod, args, kwargs):
+                seen[id(mod)] = (args, dict(kwargs))
+
+            hooks = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in self.layers]
+            try:
+                _, err = self.call(self.input(b, n))
+            finally:
+                for h in hooks:
+                    h.remove()
+            self._arguments[key] = seen if seen else (err or "the model called no layer")
+        got = self._arguments[key]
+        if isinstance(got, str):
+            return got
+        return got.get(id(layer), f"the model did not call {self.path!r}")
+
+
+def _takes(module: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _model_width(model: nn.Module) -> int | None:
@@ -83,10 +128,11 @@ def check_model(
     paths = attention_layers(rec, model)
     if not paths:
         raise AttnScopeError(f"{tgt.text}: found no attention layer in the model's computation")
+    layers = [model.get_submodule(p) for p in paths]
+    host = ModelHost(model, "", vocab, width, timeout, layers, seed)
     reports: list[tuple[str, CheckReport]] = []
-    for path in paths:
-        layer = model.get_submodule(path)
-        host = ModelHost(model, path, vocab, width, timeout)
+    for path, layer in zip(paths, layers, strict=True):
+        host.path = path
         sub = Target(layer, f"{tgt.text} {path}", "instance")
         report = ModuleProbe(sub, kind, seed, timeout, None, tokens, host=host).run()
         reports.append((path, report))

@@ -354,31 +354,18 @@ class ModuleProbe:
         """A layer of a model: where it takes its hidden states (found on a run of the
         model), then its structure from its own computation, run where it sits."""
         tokens = self._tokens(None)
-        seen: list = []
-
-        def grab(mod, args, kwargs):
-            for i, a in enumerate(args):
-                if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2:
-                    seen.append((i, a))
-                    break
-            else:
-                for k, a in kwargs.items():
-                    if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2:
-                        seen.append((k, a))
-                        break
-            raise _Captured(None)
-
-        handle = self.module.register_forward_pre_hook(grab, with_kwargs=True)
-        try:
-            _, err = self._invoke_root(self._root_input(BATCH, tokens))
-        except _Captured:
-            err = None
-        finally:
-            handle.remove()
+        got = self.host.arguments(self.module, BATCH, tokens)
+        if isinstance(got, str):
+            raise AttnScopeError(f"{self.tgt.text}: the model raised before the layer: {got}")
+        args, kwargs = got
+        seen = [
+            (i, a)
+            for i, a in [*enumerate(args), *kwargs.items()]
+            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2
+        ][:1]
         if not seen:
             raise AttnScopeError(
                 f"{self.tgt.text}: the model did not call this layer with hidden states"
-                + (f" ({err})" if err else "")
             )
         where, value = seen[0]
         lead = tuple(value.shape[:-1])
@@ -558,8 +545,8 @@ class ModuleProbe:
 
     def _root_input(self, b: int, n: int) -> torch.Tensor:
         """The wrapper's own input for a probe of this size (the same every time)."""
-        if self.host is not None and (b, n) not in self._root_inputs:
-            self._root_inputs[(b, n)] = self.host.input(b, n, self.discovery_gen)
+        if self.host is not None:
+            return self.host.input(b, n)
         if (b, n) not in self._root_inputs:
             d = self._root_width
             self._root_inputs[(b, n)] = torch.randn(b, n, d, generator=self.discovery_gen)
@@ -572,6 +559,8 @@ class ModuleProbe:
         if x32.dim() != 3:
             return None, "a layer inside a wrapper is probed with batched input only"
         sub = e.enter(x32)
+        if self.host is not None:  # a model's layer: called on what the model hands it
+            return self._invoke_in_model(sub, *x32.shape[:2])
 
         def swap(mod, args, kwargs):
             args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
@@ -599,6 +588,27 @@ class ModuleProbe:
             for h in hooks:
                 h.remove()
         return None, err or f"{e.path!r} was not called"
+
+    def _invoke_in_model(self, sub: torch.Tensor, b: int, n: int):
+        """Call a model's layer on the arguments the model hands it for this size (captured
+        once, on one run of the whole model), its hidden states swapped for ``sub``."""
+        e = self.entry
+        got = self.host.arguments(e.module, b, n)
+        if isinstance(got, str):
+            return None, got
+        args, kwargs = got
+        args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
+        kwargs = {k: sub if k in e.positions else v for k, v in kwargs.items()}
+        result, err = call_safely(e.module, *args, timeout=self.timeout, **kwargs)
+        if err is not None:
+            return None, err
+        out = first_tensor(result)
+        if not isinstance(out, torch.Tensor):
+            raise AttnScopeError(
+                f"{self.tgt.text}: expected {e.path!r} to return a tensor (or a tuple whose "
+                f"first element is one), got {describe(out)}"
+            )
+        return e.leave(out, b, n), None
 
     def _expect_second_sequence(self) -> None:
         """A layer checked as cross-attention whose keys and values do not read its second
