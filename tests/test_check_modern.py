@@ -123,8 +123,16 @@ def test_rotate_half_of_the_wrong_pairing_in_hf_llama_is_named(monkeypatch):
 
 # --- the book's own modern layers, in a block that supplies what their model does -------------
 
-llama3 = pytest.importorskip("llms_from_scratch.llama3", reason="llms-from-scratch not installed")
-qwen3 = pytest.importorskip("llms_from_scratch.qwen3", reason="llms-from-scratch not installed")
+@pytest.fixture(scope="module")
+def llama3():
+    """The book's Llama 3 code (it imports tiktoken, a test dependency)."""
+    return pytest.importorskip("llms_from_scratch.llama3", reason="llms-from-scratch not installed")
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    """The book's Qwen 3 code (it imports tiktoken, a test dependency)."""
+    return pytest.importorskip("llms_from_scratch.qwen3", reason="llms-from-scratch not installed")
 
 
 class _BookBlock(nn.Module):
@@ -143,14 +151,14 @@ class _BookBlock(nn.Module):
         return self.att(x, mask, self.cos, self.sin)
 
 
-def test_the_books_llama3_grouped_query_attention():
+def test_the_books_llama3_grouped_query_attention(llama3):
     report = check(lambda: _BookBlock(llama3.GroupedQueryAttention(64, 64, 8, 2), 8, llama3))
     assert report.ok, report.to_text(color=False)
     assert report.layer == "att"
     assert (report.structure["heads"], report.structure["kv_heads"]) == (8, 2)
 
 
-def test_the_books_qwen3_grouped_query_attention_with_qk_norm():
+def test_the_books_qwen3_grouped_query_attention_with_qk_norm(qwen3):
     def make():
         att = qwen3.GroupedQueryAttention(48, 4, 2, head_dim=16, qk_norm=True)
         with torch.no_grad():

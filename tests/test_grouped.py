@@ -52,8 +52,16 @@ def _inputs(layer, batch=2, tokens=7):
 
 # --- against the book's code ---------------------------------------------------------------
 
-llama3 = pytest.importorskip("llms_from_scratch.llama3", reason="llms-from-scratch not installed")
-qwen3 = pytest.importorskip("llms_from_scratch.qwen3", reason="llms-from-scratch not installed")
+@pytest.fixture(scope="module")
+def llama3():
+    """The book's Llama 3 code (it imports tiktoken, a test dependency)."""
+    return pytest.importorskip("llms_from_scratch.llama3", reason="llms-from-scratch not installed")
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    """The book's Qwen 3 code (it imports tiktoken, a test dependency)."""
+    return pytest.importorskip("llms_from_scratch.qwen3", reason="llms-from-scratch not installed")
 
 
 def _copy_projections(ours: GroupedQueryAttention, book) -> None:
@@ -70,7 +78,7 @@ def _book_inv_freq(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kv_groups", [8, 2, 1])
 @pytest.mark.parametrize("freq_config", [None, "llama3.2"])
-def test_equals_the_books_llama3_grouped_query_attention(kv_groups, freq_config):
+def test_equals_the_books_llama3_grouped_query_attention(kv_groups, freq_config, llama3):
     """Same weights, same output as llms_from_scratch.llama3.GroupedQueryAttention, with the
     book's RoPE tables (Llama 3.2's scaled frequencies copied into ``inv_freq``)."""
     d, heads, tokens = 64, 8, 11
@@ -97,7 +105,7 @@ def test_equals_the_books_llama3_grouped_query_attention(kv_groups, freq_config)
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_equals_the_books_qwen3_grouped_query_attention(qk_norm):
+def test_equals_the_books_qwen3_grouped_query_attention(qk_norm, qwen3):
     """Same weights, same output as llms_from_scratch.qwen3.GroupedQueryAttention (its own
     head_dim, QK RMSNorm per head, out_proj back to d_in)."""
     d_in, heads, kv, head_dim, tokens = 48, 4, 2, 16, 9
@@ -329,3 +337,11 @@ def test_scores_of_a_rotated_layer_depend_on_distance_only():
     layer.use_fast_path = False
     x, _ = _inputs(layer)
     torch.testing.assert_close(layer(x, offset=13), layer(x), rtol=1e-4, atol=1e-5)
+
+
+def test_the_books_modern_modules_import_where_the_book_is_installed():
+    """Where llms-from-scratch is installed, its llama3 and qwen3 modules import (their
+    tiktoken is a test dependency): the comparisons above must run, not skip."""
+    pytest.importorskip("llms_from_scratch", reason="llms-from-scratch not installed")
+    import llms_from_scratch.llama3  # noqa: F401
+    import llms_from_scratch.qwen3  # noqa: F401
