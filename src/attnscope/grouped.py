@@ -13,7 +13,6 @@ from torch import nn
 
 from . import functional as AF
 from .errors import AttnScopeError, check_embeddings, describe
-from .stages import Stage
 from .trace import Traceable
 
 __all__ = ["GroupedQueryAttention", "RMSNorm", "QK_NORMS"]
@@ -304,12 +303,7 @@ class GroupedQueryAttention(Traceable):
             dropout=self.dropout,
         )
         out = self.out_proj(AF.merge_heads(ctx))  # (B, T, d_out)
-        if record is not None:
-            record[Stage.OUTPUT.value] = out
-            if unbatched:
-                for name, tensor in list(record.items()):
-                    record[name] = tensor.squeeze(0)
-        return out.squeeze(0) if unbatched else out
+        return self._output(out, record, unbatched)
 
     # --- one query alone (Trace.walk) ------------------------------------------------------
 

@@ -14,7 +14,6 @@ from torch import nn
 
 from . import functional as AF
 from .errors import AttnScopeError, describe
-from .stages import Stage
 from .trace import Traceable
 
 __all__ = ["SelfAttentionV1", "SelfAttentionV2", "CausalAttention", "MultiHeadAttention"]
@@ -256,9 +255,4 @@ class MultiHeadAttention(Traceable):
             record.update(queries=q, keys=k, values=v)
         context = self._attend(q, k, v, record, causal=self.causal, dropout=self.dropout)
         out = self.out_proj(AF.merge_heads(context))  # (B, T, d_out)
-        if record is not None:
-            record[Stage.OUTPUT.value] = out
-            if unbatched:
-                for name, tensor in list(record.items()):
-                    record[name] = tensor.squeeze(0)
-        return out.squeeze(0) if unbatched else out
+        return self._output(out, record, unbatched)

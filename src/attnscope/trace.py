@@ -129,6 +129,17 @@ class Traceable(nn.Module):
         """``(T, d_in)`` or ``(B, T, d_in)`` -> ``(T, d_out)`` or ``(B, T, d_out)``."""
         return self._pipeline(self._check(x), None)
 
+    @staticmethod
+    def _output(out: torch.Tensor, record: AF.Record | None, unbatched: bool) -> torch.Tensor:
+        """The merged, projected heads as the stage ``output``; an unbatched call's stages
+        and output without the batch axis the pipeline added."""
+        if record is not None:
+            record[Stage.OUTPUT.value] = out
+            if unbatched:
+                for name, tensor in list(record.items()):
+                    record[name] = tensor.squeeze(0)
+        return out.squeeze(0) if unbatched else out
+
     def trace(
         self,
         x: torch.Tensor,

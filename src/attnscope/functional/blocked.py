@@ -28,6 +28,7 @@ import torch
 
 from ..errors import AttnScopeError, describe
 from ..stages import Stage
+from .core import check_qkv
 
 __all__ = [
     "AttentionSummary",
@@ -133,39 +134,7 @@ def check_rows(rows: object, tokens: int, name: str = "rows") -> tuple[int, ...]
 
 
 def _check(queries, keys, values, causal, window, bias_slopes, scale, block):
-    for name, t in (("queries", queries), ("keys", keys), ("values", values)):
-        if not isinstance(t, torch.Tensor):
-            raise AttnScopeError(f"{name}: expected a torch.Tensor, got {describe(t)}")
-        if not 2 <= t.dim() <= 4:
-            raise AttnScopeError(
-                f"{name}: expected shape (T, d), (B, T, d) or (B, H, T, d), got {describe(t)}"
-            )
-        if not t.is_floating_point():
-            raise AttnScopeError(f"{name}: expected a floating-point tensor, got {describe(t)}")
-    if keys.dtype != queries.dtype or values.dtype != queries.dtype:
-        raise AttnScopeError(
-            f"keys, values: expected the dtype of queries {describe(queries)}, got "
-            f"{describe(keys)} and {describe(values)}"
-        )
-    grouped = (
-        queries.dim() == 4
-        and keys.dim() == 4
-        and keys.shape[0] == queries.shape[0]
-        and 0 < keys.shape[1] < queries.shape[1]
-        and queries.shape[1] % keys.shape[1] == 0
-    )
-    if (keys.shape[:-2] != queries.shape[:-2] and not grouped) or keys.shape[-1] != queries.shape[
-        -1
-    ]:
-        raise AttnScopeError(
-            f"keys: expected the leading and feature dimensions of queries "
-            f"{tuple(queries.shape)} (or a divisor of its heads), got {describe(keys)}"
-        )
-    if values.shape[:-1] != keys.shape[:-1]:
-        raise AttnScopeError(
-            f"values: expected one row per key, leading dimensions and tokens of keys "
-            f"{tuple(keys.shape)}, got {describe(values)}"
-        )
+    check_qkv(queries, keys, values)
     if window is not None:
         _positive_int("window", window)
         if not causal:

@@ -293,10 +293,11 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, t, h * hd)
 
 
-def _check_attend(
-    queries: object, keys: object, values: object, causal: bool, mask: object
-) -> None:
-    """Types, ranks, dtypes and shapes of :func:`attend`'s inputs: O(1), no value scans."""
+def check_qkv(queries: object, keys: object, values: object) -> None:
+    """Types, ranks, dtypes and shapes of queries, keys and values: O(1), no value scans.
+
+    ``(..., T, d)`` each; keys and values ``(B, K, S, d)`` with ``K`` dividing the queries'
+    heads are grouped heads."""
     for name, t in (("queries", queries), ("keys", keys), ("values", values)):
         if not isinstance(t, torch.Tensor):
             raise AttnScopeError(f"{name}: expected a torch.Tensor, got {describe(t)}")
@@ -332,6 +333,13 @@ def _check_attend(
             f"values: expected one row per key, leading dimensions and tokens of keys "
             f"{tuple(keys.shape)}, got {describe(values)}"
         )
+
+
+def _check_attend(
+    queries: object, keys: object, values: object, causal: bool, mask: object
+) -> None:
+    """Types, ranks, dtypes and shapes of :func:`attend`'s inputs: O(1), no value scans."""
+    check_qkv(queries, keys, values)
     if causal:
         t_q, t_k = queries.shape[-2], keys.shape[-2]
         if t_q != t_k:
