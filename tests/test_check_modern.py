@@ -123,6 +123,7 @@ def test_rotate_half_of_the_wrong_pairing_in_hf_llama_is_named(monkeypatch):
 
 # --- the book's own modern layers, in a block that supplies what their model does -------------
 
+
 @pytest.fixture(scope="module")
 def llama3():
     """The book's Llama 3 code (it imports tiktoken, a test dependency)."""

@@ -52,6 +52,7 @@ def _inputs(layer, batch=2, tokens=7):
 
 # --- against the book's code ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llama3():
     """The book's Llama 3 code (it imports tiktoken, a test dependency)."""
