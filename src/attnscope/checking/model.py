@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from ..errors import AttnScopeError
+from ..stages import Kind
+from .decode import PROMPT, STEPS, check_decoding
 from .probe import BATCH, ModuleProbe, first_tensor
 from .record import Recorder
 from .report import CheckReport, ModelReport
@@ -136,6 +138,11 @@ def check_model(
         sub = Target(layer, f"{tgt.text} {path}", "instance")
         report = ModuleProbe(sub, kind, seed, timeout, None, tokens, host=host).run()
         reports.append((path, report))
-    report = ModelReport.of(tgt.text, reports)
+    decode = None
+    causal = all(Kind.of(r.kind).causal for _, r in reports)
+    if vocab is not None and causal:  # a language model: its cache, step by step
+        ids = host.input(BATCH, PROMPT + STEPS)
+        decode = check_decoding(model, list(zip(paths, layers, strict=True)), ids)
+    report = ModelReport.of(tgt.text, reports, decode)
     report.notes = list(tgt.notes)
     return report

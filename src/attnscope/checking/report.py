@@ -110,14 +110,18 @@ class ModelReport(Rendered):
     first_failure: Failure | None = None
     first_layer: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: cached decoding against the full pass (:class:`.decode.Decode`), where the model has
+    #: a cache the checker drives
+    decode: object | None = None
 
     kind = "model"
 
     @classmethod
-    def of(cls, target: str, layers: list[tuple[str, CheckReport]]) -> ModelReport:
+    def of(cls, target: str, layers: list[tuple[str, CheckReport]], decode=None) -> ModelReport:
         failing = next(((p, r) for p, r in layers if not r.ok), None)
         return cls(
-            ok=failing is None,
+            ok=failing is None and (decode is None or decode.ok),
+            decode=decode,
             target=target,
             layers=layers,
             first_failure=None if failing is None else failing[1].first_failure,
@@ -144,7 +148,7 @@ class ModelReport(Rendered):
                 }
                 for path, r in self.layers
             ],
-            "decode": None,
+            "decode": None if self.decode is None else self.decode.to_dict(),
         }
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -678,6 +678,13 @@ def model_html(
         f"{len(report.layers)} attention layers, in the order the model runs them</p>",
         f"<table><tr><th>layer</th><th>kind</th>{head}</tr>{''.join(rows)}</table>",
     ]
+    d = report.decode
+    if d is not None:
+        said = "cached steps equal the full pass" if d.ok else f"{d.mistake} at step {d.step}"
+        body.append(
+            f"<h2>Decoding with its cache</h2><p>{_verdict(d.ok)} {escape(said)}. "
+            f"{escape(d.message)}</p>"
+        )
     failing = next((r for _, r in report.layers if not r.ok), None)
     if failing is not None:
         body.append(

@@ -371,6 +371,15 @@ def model_text(report: ModelReport, color: bool | None = None) -> str:
             "" if failure is None else f"{failure.stage.value} / {failure.mistake}",
         )
     out.print(table)
+    d = report.decode
+    if d is not None:
+        word, style = _verdict(d.ok)
+        what = (
+            f"{d.steps} cached steps equal the full pass"
+            if d.ok
+            else f"{d.mistake} at step {d.step}: {d.message}"
+        )
+        out.line("decoding with its cache: ", (word, style), "  ", what)
     for note in report.notes:
         out.line("note: ", note)
     failing = next((r for _, r in report.layers if not r.ok), None)
