@@ -130,3 +130,21 @@ def test_a_decoding_step_that_raises_is_cache_other_with_its_line():
     if d.ok:  # a later release of the book's package may fix it
         pytest.skip("the book's GPT-2 KV-cache model decodes correctly in this release")
     assert d.mistake == "cache_other" and "raised" in d.message and "gpt2.py:" in d.message
+
+
+def test_the_books_kv_cache_llama3_and_qwen3_models():
+    """The book's Llama 3 and Qwen 3 with their KV cache: every layer (grouped heads, RoPE,
+    Qwen's QK norm) checked where it sits, and cached decoding equal to the full pass."""
+    l3 = pytest.importorskip("llms_from_scratch.kv_cache.llama3")
+    q3 = pytest.importorskip("llms_from_scratch.kv_cache.qwen3")
+    common = dict(vocab_size=100, context_length=64, emb_dim=32, n_heads=4, n_layers=2)
+    common |= dict(hidden_dim=64, n_kv_groups=2, dtype=torch.float32)
+    llama = check(lambda: l3.Llama3Model(common | dict(rope_base=500_000.0, rope_freq=None)))
+    qwen = check(
+        lambda: q3.Qwen3Model(common | dict(head_dim=16, qk_norm=True, rope_base=1_000_000.0))
+    )
+    for report, norm in ((llama, None), (qwen, "per-head")):
+        assert report.ok and report.decode.ok, report.to_text(color=False)
+        assert [p for p, _ in report.layers] == ["trf_blocks.0.att", "trf_blocks.1.att"]
+        assert all(r.structure["kv_heads"] == 2 for _, r in report.layers)
+        assert all(r.structure["qk_norm"] == norm for _, r in report.layers)
