@@ -299,3 +299,19 @@ def test_cli_trace_rows(tmp_path, capsys):
         assert main(["trace", "--input", str(path), *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+def test_a_row_trace_renders_its_chosen_rows():
+    """HTML walks the first chosen query; heatmap rows are the chosen queries; a highlight
+    must name one of them."""
+    torch.manual_seed(0)
+    layer = attnscope.GroupedQueryAttention(16, 16, 4, 2)
+    labels = [f"t{i}" for i in range(40)]
+    t = layer.trace(torch.randn(40, 16), labels=labels, rows=[0, 39])
+    html = t.to_html()
+    assert "Single query: token 0" in html
+    fig = t.plot("weights")
+    rows = [tick.get_text() for tick in fig.axes[0].get_yticklabels()]
+    assert rows == ["t0", "t39"]
+    with pytest.raises(attnscope.AttnScopeError, match="expected a query among the traced"):
+        t.plot("weights", highlight=(5, 3))

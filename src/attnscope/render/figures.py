@@ -396,6 +396,12 @@ def trace_name(trace: Trace) -> str:
     return f"{type(trace.module).__name__} ({trace.kind})"
 
 
+def query_labels(trace: Trace) -> tuple[str, ...]:
+    """The labels of a matrix stage's rows: every token, or a row trace's chosen queries."""
+    rows = getattr(trace, "rows", None)
+    return trace.labels if rows is None else tuple(trace.labels[r] for r in rows)
+
+
 def key_labels(trace: Trace) -> tuple[str, ...]:
     """The labels of the keys: the tokens' own, or for cross-attention the positions of the
     sequence attended to (``ctx 0``, ``ctx 1``, ...)."""
@@ -578,6 +584,13 @@ def heatmap(
         _format_for(path)
         refuse_existing(path, overwrite)
     cell = _check_highlight(highlight, trace.dims.tokens, len(key_labels(trace)))
+    if cell is not None and trace.rows is not None:  # a row trace draws its chosen rows
+        if cell[0] not in trace.rows:
+            raise AttnScopeError(
+                f"highlight: expected a query among the traced rows {list(trace.rows)}, "
+                f"got {cell[0]}"
+            )
+        cell = (trace.rows.index(cell[0]), cell[1])
     fig = draw_heatmap(trace, st, cell, _batch_index(trace, batch), annotate)
     _save(fig, path, overwrite)
     return fig
@@ -598,7 +611,7 @@ def draw_heatmap(
     if cell is not None:
         q, k = cell
         title += (
-            f"\nhighlighted: query “{trace.labels[q]}” (row {q}), "
+            f"\nhighlighted: query “{query_labels(trace)[q]}” (row {q}), "
             f"key “{key_labels(trace)[k]}” (column {k})"
         )
     slopes = alibi_slopes_of(trace)
@@ -607,7 +620,7 @@ def draw_heatmap(
     masked_note = masked_note_of(trace, st)
     return matrix_figure(
         panels_of(trace, st, batch),
-        rows=trace.labels,
+        rows=query_labels(trace),
         cols=key_labels(trace),
         title=title,
         annotate=annotate,

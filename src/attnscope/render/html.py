@@ -45,6 +45,7 @@ from .figures import (
     matrix_figure,
     panels_of,
     pipeline_figure,
+    query_labels,
     refuse_existing,
     slope_text,
     trace_name,
@@ -293,6 +294,8 @@ def _stage_note(trace: Trace, st: Stage) -> str:
 def _heatmaps(trace: Trace, figures: bool) -> str:
     tokens = trace.dims.tokens
     cell = (1, 1) if min(tokens, len(key_labels(trace))) >= 2 else None
+    if trace.rows is not None:  # a row trace: no fixed cell to outline
+        cell = None
     first = None if trace.dims.batch is None else 0  # pictures show sequence 0
     parts = []
     if figures:
@@ -327,7 +330,7 @@ def _heatmaps(trace: Trace, figures: bool) -> str:
             title = st.value + (f", {panel.title}" if panel.title else "")
             table = _matrix_table(
                 panel.values,
-                rows=trace.labels,
+                rows=query_labels(trace),
                 cols=key_labels(trace),
                 group="weights" if st is Stage.WEIGHTS else "values",
                 mask=panel.mask,
@@ -438,7 +441,9 @@ def trace_html(
         the HTML text.
     """
     refuse_existing(path, overwrite)
-    if token == 1 and trace.dims.tokens < 2:
+    if token == 1 and trace.rows is not None:
+        token = trace.rows[0]  # a row trace walks its first chosen query
+    elif token == 1 and trace.dims.tokens < 2:
         token = None  # the default query does not exist: no walk
     walk = None if token is None else trace.walk(token)  # checks token, once
     if full_page is None:
