@@ -16,9 +16,7 @@ _OPEN = {
     "b_chameleon_qk_layernorm_after_rotary": "a LayerNorm after the rotation is not read yet",
     "b_chatglm_batch_first_port_rope_rows": "rotation tables indexed by sequence, not position",
     "b_olmo_repo_q_norm_lost_in_merge": "attention written as a method of the block",
-    "b_perceiver_gqa_repeat_r_h_tiles": "a QK norm on cross-attention keys is not read yet",
     "b_qformer_cross_flag_never_set": "kind inferred: an optional second input, never passed",
-    "c_perceiver_latent_cross_gqa_qknorm": "a QK norm on cross-attention keys is not read yet",
     "c_vllm_flat_tokens_gptj_rotary": "a flattened token batch (tokens, d) inside a runner",
     "c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs from "
     "the one stated for its defaults",

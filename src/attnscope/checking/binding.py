@@ -169,7 +169,9 @@ def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pa
     pairs = {r: _cat([_intended(p) for p in roles[r]]) for r in ("q", "k", "v")}
     if shared.get("v") == "k":  # a separate query weight and one combined key/value weight
         w, b = pairs["k"]
-        if w.shape[1] == 2 * pairs["q"][0].shape[1]:
+        # as wide as the queries twice, or (grouped heads) as the keys and values read
+        kv_width = st.widths.get("k", 0) + st.widths.get("v", 0)
+        if w.shape[1] in (2 * pairs["q"][0].shape[1], kv_width) and w.shape[1] % 2 == 0:
             return [
                 ((pairs["q"], *parts), layout)
                 for layout, parts in split_qkv(w, b, st.kv_heads or st.heads, parts=2)

@@ -424,7 +424,13 @@ class _Reader:
                 continue
             a = [p.op.index for p in roles[later]]
             b = [p.op.index for p in roles[earlier]]
-            if a and a == b and not self._reused(roles[earlier], cores):
+            if not a or a != b:
+                continue
+            if earlier == "k":  # keys and values from one call: combined unless one tensor
+                reused = all(c.v_node == c.k_node for c in cores)
+            else:
+                reused = self._reused(roles[earlier], cores)
+            if not reused:
                 shared[later] = shared.get(earlier, earlier)
         return shared
 
