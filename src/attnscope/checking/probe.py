@@ -143,11 +143,6 @@ class _Entry:
         return out
 
 
-def _rotates(t) -> bool:
-    """Whether fitted tables turn anything (a sine that is not zero)."""
-    return not bool((t.sin.abs() < 1e-9).all())
-
-
 class ModuleProbe:
     """Everything about calling one module; :meth:`run` hands the calls to a :class:`Judge`."""
 
@@ -1015,7 +1010,7 @@ class ModuleProbe:
         except (AttnScopeError, RuntimeError):
             return None
         core = st.cores[0]
-        b, n = call.x.shape[:2]
+        b = call.x.shape[0]
         hd = spec.head_dim
         graph = Graph(call.record)
         stops = {p.op.index for ps in st.roles.values() for p in ps}
@@ -1052,7 +1047,7 @@ class ModuleProbe:
                 return None
             sides[role] = found
         rope = None
-        if st.rotary or any(_rotates(s.tables) for s in sides.values()):
+        if st.rotary or any(s.tables.turns for s in sides.values()):
             rope = read_rope(sides["q"].tables, sides["k"].tables, hd)
         norm = None
         normed = [s for s in sides.values() if s.normed]

@@ -94,10 +94,6 @@ class NormSide:
     misplaced: bool = False  # normed after the rotation
 
 
-def _rotation(t: Tables) -> bool:
-    return not bool((t.sin.abs() < 1e-9).all())
-
-
 def read_side(p: T, u: T, gains: list[tuple[T | None, T | None]], eps: float) -> NormSide | None:
     """How ``u`` (the operand of the scores, ``(B, H, T, D)``) was made from the projected
     heads ``p``: a rotation (or nothing) alone, or a norm with one of ``gains`` then a
@@ -134,7 +130,7 @@ def read_side(p: T, u: T, gains: list[tuple[T | None, T | None]], eps: float) ->
                         un = u if bias is None else _affine(u, None, -bias, h)
                         un = un / _affine(torch.ones_like(un[:1, :, :1]), gain, None, h)
                         t = fit_tables(normalise(p, kind, eps), un)
-                        if t is not None and _rotation(t):
+                        if t is not None and t.turns:
                             consider(NormSide(t, True, scope, kind, gain, bias, misplaced=True))
                 except RuntimeError:  # a gain of another width than these heads
                     continue
@@ -145,7 +141,7 @@ def read_side(p: T, u: T, gains: list[tuple[T | None, T | None]], eps: float) ->
 
 def _rank(t: Tables) -> int | None:
     """0 for a rotation or none, 2 for tables laid out for the other pairing, None else."""
-    if not _rotation(t) or t.is_rotation():
+    if not t.turns or t.is_rotation():
         return 0
     return 2 if t.mismatched_layout() else None
 

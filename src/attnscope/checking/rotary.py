@@ -158,6 +158,11 @@ class Tables:
     sin: T  # (T, rot)
     scale: float  # a factor folded into the operand (1 when none)
 
+    @property
+    def turns(self) -> bool:
+        """Whether the tables turn anything (a sine that is not zero somewhere)."""
+        return not bool((self.sin.abs() < 1e-9).all())
+
     def is_rotation(self) -> bool:
         """Partners share their angle and every pair keeps its length."""
         c, s = self.cos / self.scale, self.sin / self.scale
@@ -279,7 +284,7 @@ class SideReading:
 
 def read_side(tables: Tables, layout: str) -> tuple[SideReading, T | None]:
     """The side's positions and frequencies from its tables (read in ``layout``)."""
-    rotated = not bool((tables.sin.abs() < 1e-9).all())
+    rotated = tables.turns
     if not rotated:
         return SideReading(tables, False), None
     ang = tables.angles(layout).to(torch.float64)  # (T, rot/2)
@@ -303,7 +308,7 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
     tables' own layout gives the pairing (a layout applied with the other pairing is the
     mistake ``rope_pairing``, which the judge then reproduces)."""
     sides = [t for t in (q_tables, k_tables) if t is not None]
-    rotated = [t for t in sides if not bool((t.sin.abs() < 1e-9).all())]
+    rotated = [t for t in sides if t.turns]
     if not rotated:
         return None
     proper = [t for t in rotated if t.is_rotation()]
