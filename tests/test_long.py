@@ -261,7 +261,20 @@ def test_row_trace_negative_rows_and_errors():
         with pytest.raises(attnscope.AttnScopeError, match=match):
             module.trace(x, rows=rows)
     with pytest.raises(attnscope.AttnScopeError, match="rows"):
-        attnscope.trace("simplified", x, rows=[1])
+        attnscope.trace(object(), x, rows=[1])
+
+
+def test_row_trace_of_simplified_attention():
+    """Weightless attention has row traces too: its scores unscaled, its rows the full
+    trace's rows, its summary the full trace's."""
+    x = torch.randn(2, 17, 3)
+    full, rt = attnscope.trace("simplified", x), attnscope.trace("simplified", x, rows=[16, 2])
+    assert list(rt.stages) == ["scores", "weights", "context"]
+    torch.testing.assert_close(rt["weights"], full["weights"][..., [16, 2], :])
+    torch.testing.assert_close(rt["context"], full["context"], atol=1e-6, rtol=1e-5)
+    for field in SUMMARY_FIELDS:
+        torch.testing.assert_close(getattr(rt.summary, field), getattr(full.summary, field))
+    assert rt.walk(2).matches
 
 
 def test_row_trace_of_a_long_input_stays_small():
@@ -315,3 +328,145 @@ def test_a_row_trace_renders_its_chosen_rows():
     assert rows == ["t0", "t39"]
     with pytest.raises(attnscope.AttnScopeError, match="expected a query among the traced"):
         t.plot("weights", highlight=(5, 3))
+
+
+# --- summaries: the softmax's normaliser, no autograd ------------------------------------------
+
+
+@FAST
+@given(cases)
+def test_summary_logsumexp_is_the_rows_normaliser(c):
+    q, kk, v, causal, window, slopes = _unpack(c)
+    _, s = AF.attention_summary(
+        q, kk, v, causal=causal, window=window, bias_slopes=slopes, block=c["block"]
+    )
+    _, record = _reference(q, kk, v, causal, window, slopes)
+    logits = record[
+        "masked_scores" if causal else "biased_scores" if slopes is not None else "scaled_scores"
+    ]
+    torch.testing.assert_close(s.logsumexp, torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-5)
+    assert AF.summarize_weights(record["weights"]).logsumexp is None
+
+
+def test_blocked_refuses_tensors_that_need_grad():
+    q, k, v = _tensors(0, 1, 2, 2, 6, 4, 4)
+    q.requires_grad_(True)
+    with pytest.raises(attnscope.AttnScopeError, match="without autograd"):
+        AF.blocked_attention(q, k, v)
+    with torch.no_grad():
+        assert AF.blocked_attention(q, k, v).shape == (1, 2, 6, 4)
+
+
+# --- pooled pictures of large matrices -------------------------------------------------------
+
+
+def _pool_by_hand(matrix, visible, pool, reduce):
+    """Tile by tile, with Python loops: the reference for pooled_matrix."""
+    t, s = matrix.shape[-2:]
+    rows, cols = -(-t // pool), -(-s // pool)
+    out = torch.empty(*matrix.shape[:-2], rows, cols, dtype=torch.float64)
+    hidden = torch.zeros(rows, cols, dtype=torch.bool)
+    for r in range(rows):
+        for c in range(cols):
+            tile = matrix[..., r * pool : (r + 1) * pool, c * pool : (c + 1) * pool].double()
+            seen = visible[r * pool : (r + 1) * pool, c * pool : (c + 1) * pool]
+            if not seen.any():
+                hidden[r, c] = True
+                out[..., r, c] = -torch.inf if reduce == "max" else torch.nan
+                continue
+            picked = tile[..., seen]
+            out[..., r, c] = picked.amax(-1) if reduce == "max" else picked.mean(-1)
+    return out, hidden
+
+
+@FAST
+@given(
+    cases,
+    st.integers(1, 7),
+    st.sampled_from(["max", "mean"]),
+    st.sampled_from([s.value for s in AF.POOLABLE]),
+)
+def test_pooled_matrix_equals_pooling_the_full_matrix(c, pool, reduce, stage):
+    q, kk, v, causal, window, slopes = _unpack(c)
+    _, record = _reference(q, kk, v, causal, window, slopes)
+    if stage not in record:
+        return
+    got = AF.pooled_matrix(
+        q,
+        kk,
+        stage=stage,
+        pool=pool,
+        reduce=reduce,
+        causal=causal,
+        window=window,
+        bias_slopes=slopes,
+    )
+    tokens = q.shape[-2]
+    visible = torch.ones(tokens, tokens, dtype=torch.bool)
+    if "masked_scores" in record and stage in ("masked_scores", "weights"):
+        visible = ~torch.isneginf(record["masked_scores"]).reshape(-1, tokens, tokens).all(0)
+    want, hidden = _pool_by_hand(record[stage], visible, pool, reduce)
+    assert got.values.shape == want.shape and torch.equal(got.hidden, hidden)
+    torch.testing.assert_close(got.values.double(), want, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa-alibi", "alibi-window", "mqa-window"])
+def test_a_row_trace_pools_what_a_full_trace_pools(name):
+    module, x = MODULES[name], torch.randn(29, 8)
+    full, rt = module.trace(x), module.trace(x, rows=[0])
+    for stage in AF.POOLABLE:
+        if stage.value in full:
+            for reduce in ("max", "mean"):
+                a, b = (
+                    full.pooled(stage, pool=4, reduce=reduce),
+                    rt.pooled(stage, pool=4, reduce=reduce),
+                )
+                assert torch.equal(a.hidden, b.hidden)
+                torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
+def test_pooled_errors():
+    q, k, _ = _tensors(0, 1, 2, 2, 6, 4, 4)
+    for kwargs, match in (
+        ({"stage": "context"}, "stage: expected one of scores"),
+        ({"reduce": "median"}, "reduce: expected 'max' or 'mean'"),
+        ({"pool": 0}, "pool: expected a positive integer"),
+    ):
+        with pytest.raises(attnscope.AttnScopeError, match=match):
+            AF.pooled_matrix(q, k, **{"pool": 2, **kwargs})
+    t = MODULES["v1"].trace(torch.randn(5, 8))
+    with pytest.raises(attnscope.AttnScopeError, match="masked_scores"):
+        t.pooled("masked_scores", pool=2)
+
+
+def test_a_long_heatmap_is_drawn_pooled_without_the_matrix():
+    """300 tokens: 3 x 3 tiles, 100 cells a side; the title says how; a highlight lands in
+    the tile holding it; the row trace it is drawn from holds two rows."""
+    torch.manual_seed(0)
+    layer = GroupedQueryAttention(16, 16, 4, 2, window=40)
+    t = layer.trace(torch.randn(300, 16), rows=[299])
+    fig = t.plot("weights", highlight=(250, 230), reduce="mean")
+    title = fig._suptitle.get_text()
+    assert "mean over 3 x 3 tiles of (query, key): 300 queries x 300 keys in 100 x 100" in title
+    assert "the tile holding query 250 and key 230" in title
+    image = fig.axes[0].images[0].get_array()
+    assert image.shape == (100, 100)
+    assert image.mask[0, 99] and not image.mask[99, 99]  # the future is hidden
+    box = [p for p in fig.axes[0].patches if p.get_gid() == "highlight"][0]
+    assert box.get_xy() == (230 // 3 - 0.5, 250 // 3 - 0.5)
+    with pytest.raises(attnscope.AttnScopeError, match="reduce"):
+        t.plot("weights", reduce="sum")
+
+
+def test_cli_plot_of_a_long_input(tmp_path, capsys):
+    import numpy as np
+
+    from attnscope.cli import main
+
+    path = tmp_path / "x.npy"
+    np.save(path, np.random.default_rng(0).standard_normal((400, 3)).astype("float32"))
+    for kind in ("simplified", "causal-multihead", "gqa"):
+        out = tmp_path / f"{kind}.png"
+        argv = ["plot", "--kind", kind, "--input", str(path), "-o", str(out), "--reduce", "mean"]
+        assert main(argv) == 0, capsys.readouterr().err
+        assert out.stat().st_size > 1000

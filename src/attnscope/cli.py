@@ -276,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument(
         "--highlight", type=_highlight, metavar="ROW,COL", help="outline one cell, e.g. 1,1"
     )
+    plot.add_argument(
+        "--reduce",
+        choices=("max", "mean"),
+        default="max",
+        help="past 128 tokens a cell is a tile of (query, key) pairs: draw their max "
+        "(default) or mean",
+    )
     plot.add_argument("--pipeline", action="store_true", help="draw the pipeline figure instead")
     plot.add_argument("-o", "--output", required=True, metavar="FILE", help="FILE.png or FILE.svg")
     _add_force(plot)
@@ -484,8 +491,14 @@ def _cmd_plot(args) -> int:
         raise AttnScopeError(f"--stage: a {args.kind} trace has no {stage}; {stage} needs {needs}")
     if args.kind == "simplified" and stage not in ("scores", "weights"):
         raise AttnScopeError(f"--stage: simplified attention has scores and weights, not {stage}")
+    from .render.figures import HEATMAP_CELLS
+
     x, labels, _ = _load(args)
-    tr = make_trace(args.kind, x, labels=labels, **_module_options(args))
+    # a long input is pooled into tiles computed block by block from a row trace's queries
+    # and keys: no (tokens x tokens) matrix is ever held
+    long = x.shape[-2] > HEATMAP_CELLS
+    rows = [x.shape[-2] - 1] if long else None
+    tr = make_trace(args.kind, x, labels=labels, rows=rows, **_module_options(args))
     if args.highlight is not None:
         row, col = args.highlight
         t = tr.dims.tokens
@@ -497,7 +510,13 @@ def _cmd_plot(args) -> int:
     if args.pipeline:
         tr.pipeline_figure(path=str(out), overwrite=args.force)
     else:
-        tr.plot(stage=stage, path=str(out), highlight=args.highlight, overwrite=args.force)
+        tr.plot(
+            stage=stage,
+            path=str(out),
+            highlight=args.highlight,
+            reduce=args.reduce,
+            overwrite=args.force,
+        )
     print(f"wrote {out}")
     return 0
 

@@ -108,6 +108,14 @@ class Traceable(nn.Module):
                 k=record.k,
             )
             record[Stage.CONTEXT.value] = context
+            record.core = {
+                "queries": queries,
+                "keys": keys,
+                "causal": causal,
+                "window": window,
+                "bias_slopes": slopes,
+                "scale": None,
+            }
             return context
         bias = None
         if slopes is not None:
@@ -148,7 +156,7 @@ class Traceable(nn.Module):
         *,
         rows: Sequence[int] | None = None,
         k: int = 4,
-        block: int = 1024,
+        block: int = 512,
     ) -> Trace:
         """Run the explicit path and return every stage by name (see :class:`Trace`);
         with ``rows``, a row trace (see :func:`trace`)."""
@@ -271,10 +279,29 @@ class RowRecord(dict):
     chosen query ``rows``, ``k`` heaviest keys per summary, the ``block`` size); the core
     leaves every query's :class:`~attnscope.functional.AttentionSummary` in ``summary``."""
 
-    def __init__(self, rows: tuple[int, ...], k: int = 4, block: int = 1024):
+    def __init__(self, rows: tuple[int, ...], k: int = 4, block: int = 512):
         super().__init__()
         self.rows, self.k, self.block = rows, k, block
         self.summary: AF.AttentionSummary | None = None
+        #: what the scores were made of and how (queries, keys, causal, window, slopes,
+        #: scale): a pooled picture of the whole matrix is computed again from them
+        self.core: dict | None = None
+
+    def simplified(self, x: torch.Tensor) -> None:
+        """Weightless attention's row trace: the tokens are queries, keys and values, and
+        the scores are not scaled."""
+        AF.attend_rows(x, x, self.rows, scale=1.0, record=self)
+        del self[Stage.SCALED_SCORES.value]
+        context, self.summary = AF.attention_summary(x, x, x, scale=1.0, block=self.block, k=self.k)
+        self[Stage.CONTEXT.value] = context
+        self.core = {
+            "queries": x,
+            "keys": x,
+            "causal": False,
+            "window": None,
+            "bias_slopes": None,
+            "scale": 1.0,
+        }
 
 
 @dataclass
@@ -304,6 +331,7 @@ class Trace(RenderedFigures):
     _walks: dict[tuple[int, int], QueryWalk] = field(default_factory=dict, repr=False)
     rows: tuple[int, ...] | None = None
     _summary: AF.AttentionSummary | None = field(default=None, repr=False)
+    _core: dict | None = field(default=None, repr=False)
 
     @property
     def summary(self) -> AF.AttentionSummary:
@@ -313,6 +341,43 @@ class Trace(RenderedFigures):
         if self._summary is None:
             self._summary = AF.summarize_weights(self.stages[Stage.WEIGHTS.value])
         return self._summary
+
+    def pooled(
+        self, stage: str | Stage = "weights", *, pool: int, reduce: str = "max"
+    ) -> AF.PooledMatrix:
+        """A matrix stage pooled over ``pool x pool`` tiles of (query, key) pairs, every
+        query included: from the matrix of a full trace, and for a row trace computed again
+        block by block from the queries and keys it kept (never the whole matrix).
+
+        Returns a :class:`~attnscope.functional.PooledMatrix` with values ``(...,
+        ceil(T / pool), ceil(S / pool))``.
+        """
+        name = Stage(stage).value if isinstance(stage, Stage) else stage
+        if name not in self:
+            have = ", ".join(s.value for s in AF.POOLABLE if s.value in self)
+            raise AttnScopeError(f"stage: expected one of {have} for this trace, got {stage!r}")
+        if self._core is not None:
+            core = dict(self._core)
+            out = AF.pooled_matrix(
+                core.pop("queries"),
+                core.pop("keys"),
+                stage=name,
+                pool=pool,
+                reduce=reduce,
+                logsumexp=self.summary.logsumexp,
+                **core,
+            )
+            # the leading shape of the trace's matrix stages (a batch of one squeezed away)
+            lead = self.stages[name].shape[:-2]
+            out.values = out.values.reshape(*lead, *out.values.shape[-2:])
+            return out
+        hidden = None
+        if Stage.MASKED_SCORES.value in self and Stage(name).order >= Stage.MASKED_SCORES.order:
+            masked = self.stages[Stage.MASKED_SCORES.value]
+            hidden = torch.isneginf(masked).reshape(-1, *masked.shape[-2:]).all(0)
+        return AF.pool_matrix(
+            self.stages[name], pool=pool, reduce=reduce, stage=name, hidden=hidden
+        )
 
     def row_index(self, token: int) -> int:
         """Where query ``token`` sits in the matrix stages: ``token`` itself in a full
@@ -394,7 +459,7 @@ def trace(
     *,
     rows: Sequence[int] | None = None,
     k: int = 4,
-    block: int = 1024,
+    block: int = 512,
 ) -> Trace:
     """Run ``target`` on ``x`` through its explicit path and record every stage.
 
@@ -417,9 +482,10 @@ def trace(
     """
     record: dict[str, torch.Tensor] = {}
     if rows is not None:
-        if not isinstance(target, Traceable):
+        if not isinstance(target, Traceable) and target != "simplified":
             raise AttnScopeError(
-                f"rows: expected an attnscope module to trace rows of, got {describe(target)}"
+                "rows: expected an attnscope module (or 'simplified') to trace rows of, got "
+                f"{describe(target)}"
             )
         tokens = check_embeddings(x).shape[-2]
         record = RowRecord(AF.check_rows(rows, tokens), k=k, block=block)
@@ -431,7 +497,10 @@ def trace(
                     f"target: expected an attnscope module or 'simplified', got {target!r}"
                 )
             x = check_embeddings(x, name="inputs")
-            AF.simplified_attention(x, record=record)
+            if isinstance(record, RowRecord):
+                record.simplified(x)
+            else:
+                AF.simplified_attention(x, record=record)
             kind, d_out, heads, module = "simplified", x.shape[-1], None, None
         elif isinstance(target, Traceable):
             x, context = target._check_inputs(x, context)
@@ -465,6 +534,7 @@ def trace(
         tr.rows = record.rows
         # the summary's leading shape is the context's (a batch of one squeezed with it)
         tr._summary = record.summary.reshaped(stages[Stage.CONTEXT.value].shape[:-1])
+        tr._core = record.core
     return tr
 
 

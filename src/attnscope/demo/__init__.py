@@ -186,12 +186,7 @@ def make_trace(
             f"got kind {kind!r}"
         )
     if kind == "simplified":
-        if rows is not None:
-            raise AttnScopeError(
-                "rows: expected a kind with trainable weights (a row trace runs a module), "
-                "got kind 'simplified'"
-            )
-        return trace("simplified", x, labels=labels)
+        return trace("simplified", x, labels=labels, rows=rows)
     d_in, tokens = x.shape[-1], x.shape[-2]
     if kind == "gqa":
         d_out = GQA_DEFAULTS["d_out"] if d_out is None else d_out

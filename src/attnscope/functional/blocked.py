@@ -56,6 +56,9 @@ class AttentionSummary:
         mean_distance: ``sum_j w_ij * (i - j)``: how far back the query looks on average
             (``i`` the query's position).
         positions: ``(T,)`` the query positions the rows belong to.
+        logsumexp: ``log sum_j exp(logit_ij)``, the softmax's normaliser (weights are
+            ``exp(logit_ij - logsumexp_i)``): from the blocked pass; None when the summary
+            was read from weights alone (:func:`summarize_weights`).
     """
 
     entropy: torch.Tensor
@@ -66,6 +69,7 @@ class AttentionSummary:
     sink_weight: torch.Tensor
     mean_distance: torch.Tensor
     positions: torch.Tensor
+    logsumexp: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -76,7 +80,7 @@ class AttentionSummary:
         out = {}
         for f in fields(self):
             t = getattr(self, f.name)
-            if f.name == "positions":
+            if f.name == "positions" or t is None:
                 out[f.name] = t
             elif f.name.startswith("top_"):
                 out[f.name] = t.reshape(*lead, t.shape[-1])
@@ -88,7 +92,7 @@ class AttentionSummary:
         """The summary of one leading index (a batch, then a head), e.g. ``s.select(0, 3)``."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, t in out.items():
-            if name != "positions":
+            if name != "positions" and t is not None:
                 out[name] = t[index]
         return AttentionSummary(**out)
 
@@ -156,6 +160,12 @@ def _check(queries, keys, values, causal, window, bias_slopes, scale, block):
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise AttnScopeError(f"scale: expected a number, got {describe(scale)}")
     _positive_int("block", block)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (queries, keys, values)):
+        raise AttnScopeError(
+            "blocked attention is computed without autograd (it is for inspection, and works "
+            "its blocks in place): expected tensors that do not require grad, got some that do; "
+            "call it under torch.no_grad(), or train with attend / scaled_dot_product_attention"
+        )
 
 
 class _Layout:
@@ -200,6 +210,41 @@ def _bias_block(slopes, qpos, kpos, dtype):
     return (-slopes * dist).to(dtype)
 
 
+#: how many score entries one block may hold: 4M floats (16 MiB) stays in a server's cache,
+#: where a (heads, 1024, 1024) block does not and costs twice the time on CPU
+_BLOCK_ENTRIES = 1 << 22
+
+
+class _TopK:
+    """The ``k`` heaviest keys per query row, merged block by block.
+
+    Only rows whose block maximum beats their current ``k``-th best are re-ranked: past the
+    first few blocks that is a small share of the rows, and ``topk`` is the costly step."""
+
+    def __init__(self, rows: int, k: int, dtype, device):
+        self.k = k
+        self.s = torch.full((rows, k), -torch.inf, dtype=dtype, device=device)
+        self.j = torch.full((rows, k), -1, dtype=torch.long, device=device)
+
+    def update(self, s: torch.Tensor, blk_max: torch.Tensor, k0: int) -> None:
+        """``s``: ``(rows, bk)`` logits of keys ``k0 ..``; ``blk_max``: ``(rows,)``."""
+        need = (blk_max > self.s[:, -1]).nonzero().squeeze(1)
+        if need.numel() == 0:
+            return
+        sub = s.index_select(0, need) if need.numel() < s.shape[0] else s
+        kk = min(self.k, sub.shape[-1])
+        bs, bi = sub.topk(kk, dim=-1)
+        # candidates in key order (earlier blocks first, then this block's by index), so that
+        # a stable sort keeps the first of equal keys first
+        bi, order = bi.sort(-1)
+        bs = bs.gather(-1, order)
+        cs = torch.cat([self.s.index_select(0, need), bs], -1)
+        cj = torch.cat([self.j.index_select(0, need), bi + k0], -1)
+        best_s, pick = cs.sort(dim=-1, descending=True, stable=True)
+        self.s.index_copy_(0, need, best_s[:, : self.k])
+        self.j.index_copy_(0, need, cj.gather(-1, pick[:, : self.k]))
+
+
 def _run(
     queries,
     keys,
@@ -225,84 +270,100 @@ def _run(
         qpos_all = torch.arange(offset, offset + t_q, device=device)
     lay = _Layout(queries, keys, values, bias_slopes)
     factor = keys.shape[-1] ** -0.5 if scale is None else float(scale)
-    b, kv, g, n, _ = lay.q.shape
+    b, kv, g, n, d = lay.q.shape
     d_v = values.shape[-1]
     dtype = queries.dtype
-    context = lay.q.new_empty(b, kv, g, n, d_v)
     want = summary_k is not None
+    # the scale goes into the queries once (O(T * D)) rather than into every block of scores
+    q_all = lay.q * factor
+    k_all, v_all = lay.k.squeeze(2), lay.v.squeeze(2)  # (B, K, S, D): read in place
+    # a query block's g heads share their kv head: (B, K, G * bq, D) @ (B, K, D, bk) needs no
+    # copy of the keys per head
+    bq_size = max(1, min(block, _BLOCK_ENTRIES // max(1, b * kv * g * block)))
+    context = q_all.new_empty(b, kv, g, n, d_v)
     if want:
         stats = {
             name: torch.empty(b, kv, g, n, dtype=dtype, device=device)
-            for name in ("entropy", "max_weight", "sink_weight", "mean_distance")
+            for name in ("entropy", "max_weight", "sink_weight", "mean_distance", "logsumexp")
         }
         max_key = torch.empty(b, kv, g, n, dtype=torch.long, device=device)
         top_keys = torch.empty(b, kv, g, n, summary_k, dtype=torch.long, device=device)
         top_w = torch.empty(b, kv, g, n, summary_k, dtype=dtype, device=device)
     kpos_all = torch.arange(t_k, device=device)
+    kpos_f = kpos_all.to(dtype)
     # chosen rows may be anywhere: order them so that a block of queries is contiguous in
     # position, which is what lets whole key blocks be skipped
     order = torch.argsort(qpos_all)
-    for start in range(0, n, block):
-        idx = order[start : start + block]
-        qpos = qpos_all[idx]
-        q = lay.q[:, :, :, idx, :]
-        lo, hi = int(qpos.min()), int(qpos.max())
+    contiguous = rows is None
+    for start in range(0, n, bq_size):
+        if contiguous:
+            idx = slice(start, min(start + bq_size, n))
+            qpos = qpos_all[idx]
+        else:
+            idx = order[start : start + bq_size]
+            qpos = qpos_all[idx]
+        bq = qpos.shape[0]
+        q = q_all[:, :, :, idx, :].reshape(b, kv, g * bq, d)
+        lo, hi = int(qpos[0]), int(qpos[-1])  # sorted
         k_first = 0 if window is None else max(0, lo - window + 1)
         k_last = hi + 1 if causal else t_k
-        bq = idx.shape[0]
-        m = torch.full((b, kv, g, bq, 1), -torch.inf, dtype=dtype, device=device)
-        l = torch.zeros((b, kv, g, bq, 1), dtype=dtype, device=device)
-        acc = torch.zeros((b, kv, g, bq, d_v), dtype=dtype, device=device)
+        shape = (b, kv, g * bq, 1)
+        m = torch.full(shape, -torch.inf, dtype=dtype, device=device)
+        l = torch.zeros(shape, dtype=dtype, device=device)
+        acc = torch.zeros((b, kv, g * bq, d_v), dtype=dtype, device=device)
         if want:
             t_sum = torch.zeros_like(l)  # sum_j p_j (s_j - m)
             u_sum = torch.zeros_like(l)  # sum_j p_j * j
-            arg = torch.zeros((b, kv, g, bq, 1), dtype=torch.long, device=device)
-            top_s = torch.full((b, kv, g, bq, summary_k), -torch.inf, dtype=dtype, device=device)
-            top_j = torch.full((b, kv, g, bq, summary_k), -1, dtype=torch.long, device=device)
-            sink = torch.full((b, kv, g, bq, 1), -torch.inf, dtype=dtype, device=device)
+            sink = torch.full(shape, -torch.inf, dtype=dtype, device=device)
+            top = _TopK(b * kv * g * bq, summary_k, dtype, device)
         for k0 in range(k_first - k_first % block, k_last, block):
             k1 = min(k0 + block, k_last)
-            kpos = kpos_all[k0:k1]
-            s = (q @ lay.k[..., k0:k1, :].transpose(-2, -1)) * factor
+            bk = k1 - k0
+            s = q @ k_all[:, :, k0:k1, :].transpose(-2, -1)  # (B, K, G * bq, bk)
+            s5 = s.view(b, kv, g, bq, bk)
             if lay.slopes is not None:
-                s = s + _bias_block(lay.slopes, qpos, kpos, dtype)
-            hide = _hidden(qpos, kpos, causal, window)
-            if hide is not None:
-                s = s.masked_fill(hide, -torch.inf)
-            blk_max, blk_arg = s.max(-1, keepdim=True)
+                s5 += _bias_block(lay.slopes, qpos, kpos_all[k0:k1], dtype)
+            # only blocks across the diagonal (or a window's edge) hide anything
+            hide = None
+            if causal and (k1 - 1 > lo or (window is not None and k0 <= hi - window)):
+                hide = _hidden(qpos, kpos_all[k0:k1], causal, window)
+                s5.masked_fill_(hide, -torch.inf)
+            blk_max = s.amax(-1, keepdim=True)
             m_new = torch.maximum(m, blk_max)
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(s - m_safe)
             alpha = torch.exp(m - m_safe)
             if want:
-                grew = blk_max > m
-                arg = torch.where(grew, blk_arg + k0, arg)
-                shift = torch.where(l > 0, (m - m_safe) * l, torch.zeros_like(l))
-                t_sum = alpha * (t_sum + shift)
-                visible = torch.isfinite(s)
-                t_sum = t_sum + (p * torch.where(visible, s - m_safe, 0.0)).sum(-1, keepdim=True)
-                u_sum = alpha * u_sum + (p * kpos.to(dtype)).sum(-1, keepdim=True)
-                cand_s = torch.cat([top_s, s], dim=-1)
-                cand_j = torch.cat([top_j, kpos.expand(*s.shape)], dim=-1)
-                kk = min(summary_k, cand_s.shape[-1])
-                best_s, best_i = cand_s.topk(kk, dim=-1)
-                top_s, top_j = best_s, cand_j.gather(-1, best_i)
+                top.update(s.reshape(-1, bk), blk_max.reshape(-1), k0)
                 if k0 == 0:
-                    sink = s[..., :1]
-            l = alpha * l + p.sum(-1, keepdim=True)
-            acc = alpha * acc + p @ lay.v[..., k0:k1, :]
+                    sink = s[..., :1].clone()
+                shift = torch.where(l > 0, (m - m_safe) * l, torch.zeros_like(l))
+                t_sum.add_(shift).mul_(alpha)
+                s.sub_(m_safe)  # s - m: log p where a key is visible
+                p = torch.exp(s)
+                if hide is not None:  # 0 * -inf: hidden keys add nothing
+                    s5.masked_fill_(hide, 0.0)
+                t_sum += (p * s).sum(-1, keepdim=True)
+                u_sum.mul_(alpha).add_(p @ kpos_f[k0:k1, None])
+            else:
+                p = s.sub_(m_safe).exp_()
+            l.mul_(alpha).add_(p.sum(-1, keepdim=True))
+            acc.mul_(alpha).add_(p @ v_all[:, :, k0:k1, :])
             m = m_new
-        context[:, :, :, idx, :] = acc / l
+        context[:, :, :, idx, :] = (acc / l).view(b, kv, g, bq, d_v)
         if want:
             m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-            stats["entropy"][..., idx] = (torch.log(l) - t_sum / l).squeeze(-1)
-            stats["max_weight"][..., idx] = (1.0 / l).squeeze(-1)
-            max_key[..., idx] = arg.squeeze(-1)
+            lead = (b, kv, g, bq)
+            stats["entropy"][..., idx] = (torch.log(l) - t_sum / l).view(lead)
+            stats["max_weight"][..., idx] = (1.0 / l).view(lead)
+            stats["logsumexp"][..., idx] = (m + torch.log(l)).view(lead)
+            top_s = top.s.view(*shape[:-1], -1)
             w_top = torch.exp(top_s - m_safe) / l
-            top_keys[..., idx, :] = torch.where(w_top > 0, top_j, -1)
-            top_w[..., idx, :] = w_top
-            stats["sink_weight"][..., idx] = (torch.exp(sink - m_safe) / l).squeeze(-1)
-            stats["mean_distance"][..., idx] = qpos.to(dtype) - (u_sum / l).squeeze(-1)
+            keys_top = torch.where(w_top > 0, top.j.view(*shape[:-1], -1), -1)
+            max_key[..., idx] = keys_top[..., 0].view(lead)
+            top_keys[..., idx, :] = keys_top.view(*lead, -1)
+            top_w[..., idx, :] = w_top.view(*lead, -1)
+            stats["sink_weight"][..., idx] = (torch.exp(sink - m_safe) / l).view(lead)
+            stats["mean_distance"][..., idx] = qpos.to(dtype) - (u_sum / l).view(lead)
     out = lay.restore(context, extra=1)
     if not want:
         return out, None
@@ -315,6 +376,7 @@ def _run(
         sink_weight=lay.restore(stats["sink_weight"]),
         mean_distance=lay.restore(stats["mean_distance"]),
         positions=qpos_all - offset,
+        logsumexp=lay.restore(stats["logsumexp"]),
     )
     return out, summary
 
@@ -328,7 +390,7 @@ def blocked_attention(
     window: int | None = None,
     bias_slopes: torch.Tensor | None = None,
     scale: float | None = None,
-    block: int = 1024,
+    block: int = 512,
     rows: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The attention core over blocks of keys, never holding the ``(T, S)`` matrix.
@@ -352,6 +414,8 @@ def blocked_attention(
         ``(..., T, d_v)`` (or ``(..., len(rows), d_v)``): equal to
         :func:`~attnscope.functional.attend` and ``scaled_dot_product_attention`` to
         floating-point rounding. A query that sees no key gets NaN, as a softmax would.
+
+    Computed without autograd: inputs that require grad are refused unless grad is off.
     """
     out, _ = _run(
         queries,
@@ -377,7 +441,7 @@ def attention_summary(
     window: int | None = None,
     bias_slopes: torch.Tensor | None = None,
     scale: float | None = None,
-    block: int = 1024,
+    block: int = 512,
     rows: Sequence[int] | None = None,
     k: int = 4,
 ) -> tuple[torch.Tensor, AttentionSummary]:

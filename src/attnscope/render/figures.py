@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .. import functional as AF
 from ..display import renders
 from ..errors import AttnScopeError, check_token_index, describe
 from ..stages import MATRIX_STAGES, Stage
@@ -48,6 +49,8 @@ __all__ = [
 # MATRIX_STAGES (from attnscope.stages): the stages a heatmap can show, the (T, T) matrices.
 #: Write values in the cells up to this many tokens (beyond, the digits would not fit).
 ANNOTATE_MAX = 12
+#: cells a side that a heatmap draws one per token; a longer input is pooled into tiles
+HEATMAP_CELLS = 128
 #: Resolution of written PNGs: sharp on high-density screens, still small files.
 DPI = 150
 
@@ -515,6 +518,22 @@ def stage_panels(trace: Trace, stage: str | Stage, batch: int = 0) -> list[Panel
     return panels_of(trace, _matrix_stage(trace, stage), _batch_index(trace, batch))
 
 
+def pool_of(trace: Trace) -> int:
+    """Tokens per cell side of a trace's heatmap: 1 up to :data:`HEATMAP_CELLS` tokens (or
+    keys); beyond, enough to bring the picture down to that many cells a side."""
+    tokens = max(trace.dims.tokens, trace.dims.key_tokens or 0)
+    return 1 if tokens <= HEATMAP_CELLS else math.ceil(tokens / HEATMAP_CELLS)
+
+
+def pooled_panels(trace: Trace, st: Stage, batch: int | None, pool: int, reduce: str):
+    """The panels of a stage pooled over ``pool x pool`` tiles (:meth:`Trace.pooled`):
+    ``(panels, pooled)``; tiles no query may see are the masked cells."""
+    pooled = trace.pooled(st, pool=pool, reduce=reduce)
+    values = _select(pooled.values, batch)
+    mask = pooled.hidden.expand(values.shape) | ~torch.isfinite(values)
+    return _panels(trace, st, values, mask), pooled
+
+
 def panels_of(trace: Trace, st: Stage, batch: int | None) -> list[Panel]:
     """:func:`stage_panels` for a stage of the trace and a batch index already checked."""
     values = _select(trace[st], batch)  # (T, T) or (H, T, T)
@@ -522,6 +541,10 @@ def panels_of(trace: Trace, st: Stage, batch: int | None) -> list[Panel]:
     if st is Stage.WEIGHTS and Stage.MASKED_SCORES.value in trace:
         # A weight of 0 at a masked key is the mask at work, not a small weight.
         mask |= torch.isneginf(_select(trace[Stage.MASKED_SCORES], batch))
+    return _panels(trace, st, values, mask)
+
+
+def _panels(trace: Trace, st: Stage, values: torch.Tensor, mask: torch.Tensor) -> list[Panel]:
     heads = trace.dims.num_heads
     values = values.reshape(-1, *values.shape[-2:])  # (H or 1, T, T)
     mask = mask.reshape(values.shape)
@@ -554,6 +577,7 @@ def heatmap(
     highlight: tuple[int, int] | None = None,
     batch: int = 0,
     annotate: bool | None = None,
+    reduce: str = "max",
     overwrite: bool = False,
 ) -> Figure:
     """Heatmap of one ``(T, T)`` stage: rows are queries, columns are keys.
@@ -567,7 +591,13 @@ def heatmap(
             against key 1.
         batch: which sequence of a batched trace.
         annotate: write values (2 decimals) in the cells; default when ``T <= 12``.
+        reduce: for an input longer than :data:`HEATMAP_CELLS` tokens, each cell is a tile
+            of (query, key) pairs, drawn as their ``"max"`` or ``"mean"``.
         overwrite: replace an existing ``path``.
+
+    Above :data:`HEATMAP_CELLS` tokens (or keys) a cell per token is more than a screen
+    shows: the matrix is pooled into tiles (the title says how), block by block, so a row
+    trace of a long input draws every query without ever holding the matrix.
 
     Masked cells (``-inf`` scores, and the zero weights they give in a causal trace) are
     drawn hatched grey, not as colours: the future, and the keys outside a sliding window
@@ -583,15 +613,18 @@ def heatmap(
     if path is not None:  # refuse a bad name before drawing anything
         _format_for(path)
         refuse_existing(path, overwrite)
+    if reduce not in AF.REDUCTIONS:
+        raise AttnScopeError(f"reduce: expected 'max' or 'mean', got {describe(reduce)}")
     cell = _check_highlight(highlight, trace.dims.tokens, len(key_labels(trace)))
-    if cell is not None and trace.rows is not None:  # a row trace draws its chosen rows
+    pooled = pool_of(trace) > 1  # pooled pictures show every query
+    if cell is not None and trace.rows is not None and not pooled:  # the chosen rows only
         if cell[0] not in trace.rows:
             raise AttnScopeError(
                 f"highlight: expected a query among the traced rows {list(trace.rows)}, "
                 f"got {cell[0]}"
             )
         cell = (trace.rows.index(cell[0]), cell[1])
-    fig = draw_heatmap(trace, st, cell, _batch_index(trace, batch), annotate)
+    fig = draw_heatmap(trace, st, cell, _batch_index(trace, batch), annotate, reduce)
     _save(fig, path, overwrite)
     return fig
 
@@ -602,9 +635,13 @@ def draw_heatmap(
     cell: tuple[int, int] | None = None,
     batch: int | None = None,
     annotate: bool | None = None,
+    reduce: str = "max",
 ) -> Figure:
     """:func:`heatmap`'s drawing, from values already checked: a stage the trace has, an
     in-range ``(query, key)`` cell or None, and the batch index (None when unbatched)."""
+    pool = pool_of(trace)
+    if pool > 1:
+        return _draw_pooled(trace, st, cell, batch, pool, reduce)
     title = f"{st.value} — {trace_name(trace)}"
     if batch is not None:
         title += f", sequence {batch}"
@@ -627,6 +664,56 @@ def draw_heatmap(
         highlight=cell,
         masked_note=masked_note,
     )
+
+
+def _draw_pooled(
+    trace: Trace,
+    st: Stage,
+    cell: tuple[int, int] | None,
+    batch: int | None,
+    pool: int,
+    reduce: str,
+) -> Figure:
+    """A heatmap too large to read, drawn one cell per ``pool x pool`` tile of (query, key)
+    pairs, computed block by block (a row trace never builds the matrix for it)."""
+    panels, pooled = pooled_panels(trace, st, batch, pool, reduce)
+    n_rows, n_cols = pooled.values.shape[-2:]
+    title = f"{st.value} — {trace_name(trace)}"
+    if batch is not None:
+        title += f", sequence {batch}"
+    title += (
+        f"\n{pooled.describe()}: {pooled.tokens:,} queries x {pooled.keys:,} keys in "
+        f"{n_rows} x {n_cols} cells"
+    )
+    if cell is not None:
+        q, k = cell
+        title += f"\nhighlighted: the tile holding query {q} and key {k}"
+        cell = (q // pool, k // pool)
+    slopes = alibi_slopes_of(trace)
+    if slopes is not None and st.order >= Stage.BIASED_SCORES.order:
+        title += "\nALiBi bias added to the scaled scores: −slope × |query − key| per head"
+    for p in panels:
+        p.label = f"{st.value} ({reduce} per tile)"
+    return matrix_figure(
+        panels,
+        rows=_tile_labels(pooled.tokens, pool),
+        cols=_tile_labels(pooled.keys, pool),
+        xlabel=f"keys, {pool} per cell",
+        ylabel=f"queries, {pool} per cell",
+        title=title,
+        annotate=False,
+        highlight=cell,
+        masked_note="hidden tile: no query in it may see any of its keys",
+    )
+
+
+def _tile_labels(n: int, pool: int) -> list[str]:
+    """Each tile by the first position it holds (``0``, ``40``, ``80``, ...), about ten of
+    them named along an axis."""
+    starts = range(0, n, pool)
+    step = max(1, math.ceil(len(starts) / 40))  # the ticks _set_ticks keeps
+    every = step * max(1, math.ceil(len(starts) / (10 * step)))
+    return [f"{p:,}" if i % every == 0 else "" for i, p in enumerate(starts)]
 
 
 def masked_note_of(trace: Trace, st: Stage) -> str:
