@@ -470,3 +470,60 @@ def test_cli_plot_of_a_long_input(tmp_path, capsys):
         argv = ["plot", "--kind", kind, "--input", str(path), "-o", str(out), "--reduce", "mean"]
         assert main(argv) == 0, capsys.readouterr().err
         assert out.stat().st_size > 1000
+
+
+# --- heads that stand out ----------------------------------------------------------------------
+
+
+def _sink_layer():
+    """Two heads reading features 0..3 and 4..7 as they are: token 0's key is large along
+    feature 0, which every query has, so head 0 sends its weight there; head 1 sees plain
+    noise."""
+    layer = GroupedQueryAttention(8, 8, 2, 2, rope=False).eval()
+    with torch.no_grad():
+        for proj in (layer.W_query, layer.W_key, layer.W_value, layer.out_proj):
+            proj.weight.copy_(torch.eye(8))
+    torch.manual_seed(0)
+    x = 0.1 * torch.randn(400, 8)
+    x[:, 0] = 1.0
+    x[0, 0] = 20.0
+    return layer, x
+
+
+def test_heads_that_stand_out_are_named():
+    from attnscope.render.heads import profile_heads
+
+    layer, x = _sink_layer()
+    sink, plain = profile_heads(layer.trace(x, rows=[0]))
+    assert sink.head == 0 and any(n.startswith("sink") for n in sink.notes)
+    assert sink.sink_weight > 0.9 and plain.sink_weight < 0.05
+    assert any(n.startswith("diffuse") for n in plain.notes)  # noise: near-uniform
+    assert plain.reach == pytest.approx(0.5, abs=0.05)  # uniform over the past: half-way back
+    # steep ALiBi slopes make the first heads local; a full trace gives the same profile
+    torch.manual_seed(1)
+    alibi = GroupedQueryAttention(8, 16, 4, 4, alibi=True).eval()
+    y = torch.randn(200, 8)
+    rows, full = profile_heads(alibi.trace(y, rows=[0])), profile_heads(alibi.trace(y))
+    assert any(n.startswith("local") for n in rows[0].notes)
+    for a, b in zip(rows, full, strict=True):
+        assert a.notes == b.notes
+        assert a.entropy == pytest.approx(b.entropy, rel=1e-4)
+
+
+def test_cli_and_html_show_every_querys_summary(tmp_path, capsys):
+    import numpy as np
+
+    from attnscope.cli import main
+
+    path = tmp_path / "x.npy"
+    np.save(path, np.random.default_rng(0).standard_normal((300, 3)).astype("float32"))
+    html = tmp_path / "t.html"
+    argv = ["trace", "--kind", "gqa", "--input", str(path), "--rows", "299", "--html", str(html)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "heads: every query's summary, averaged over the later half (300 tokens)" in out
+    assert "stands out" in out
+    page = html.read_text()
+    assert "Every query, summarised" in page and 'alt="entropy per head over positions"' in page
+    assert "(300 tokens)" in page and "<code>299</code>" in page  # a short list of labels
+    assert page.count("<code>1") < 20

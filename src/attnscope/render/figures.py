@@ -716,6 +716,49 @@ def _tile_labels(n: int, pool: int) -> list[str]:
     return [f"{p:,}" if i % every == 0 else "" for i, p in enumerate(starts)]
 
 
+#: at most this many points per line in a summary figure; longer inputs are averaged in bins
+SUMMARY_POINTS = 500
+
+
+def summary_figure(trace: Trace, batch: int = 0) -> Figure:
+    """Every query's summary over positions, one line per head: the entropy of its weights
+    and the weight on the first token (attention sinks). Long inputs are averaged over bins
+    of positions (the axis says how many per point)."""
+    _require_matplotlib()
+    b = _batch_index(trace, batch)
+    s = trace.summary if b is None else trace.summary.select(b)
+    heads = trace.dims.num_heads
+    pos = s.positions.to(torch.float64)
+    n = pos.numel()
+    per = max(1, math.ceil(n / SUMMARY_POINTS))
+    fig = _new_figure(figsize=(10.0, 3.4), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for ax, name, label in (
+        (axes[0], "entropy", "entropy of the weights (nats)"),
+        (axes[1], "sink_weight", "weight on the first token"),
+    ):
+        values = getattr(s, name).to(torch.float64).reshape(heads or 1, n)
+        x = pos
+        if per > 1:  # mean over bins of `per` positions (the last bin may be shorter)
+            pad = -n % per
+            v = torch.nn.functional.pad(values, (0, pad), value=float("nan"))
+            values = v.reshape(values.shape[0], -1, per).nanmean(-1)
+            x = torch.nn.functional.pad(pos, (0, pad), value=float("nan"))
+            x = x.reshape(-1, per).nanmean(-1)
+        for h in range(values.shape[0]):
+            ax.plot(x.numpy(), values[h].numpy(), linewidth=1.0, label=f"head {h}")
+        ax.set_xlabel("query position" + (f" (mean of {per} per point)" if per > 1 else ""))
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    if heads and heads <= 16:
+        axes[1].legend(fontsize=7, ncol=2, frameon=False)
+    title = f"every query's summary — {trace_name(trace)}, {n:,} queries"
+    if b is not None:
+        title += f", sequence {b}"
+    fig.suptitle(title, fontsize=11, parse_math=False)
+    return fig
+
+
 def masked_note_of(trace: Trace, st: Stage) -> str:
     """The legend of a heatmap's hatched cells: the future, and the window when there is one."""
     window = window_of(trace)

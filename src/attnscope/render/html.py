@@ -48,11 +48,13 @@ from .figures import (
     query_labels,
     refuse_existing,
     slope_text,
+    summary_figure,
     trace_name,
     value_range,
     window_of,
 )
 from .files import write_output
+from .heads import profile_heads
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -343,6 +345,35 @@ def _heatmaps(trace: Trace, figures: bool) -> str:
     return "".join(parts)
 
 
+def _summaries(trace: Trace, figures: bool) -> str:
+    """Every query's summary: entropy and first-token weight per head over positions, and
+    the heads that stand out."""
+    parts = [
+        "<h2>Every query, summarised</h2>",
+        '<p class="meta">From the same blockwise pass as the context: no tokens × tokens '
+        "matrix. Heads are averaged over the later half of the queries; spread is the "
+        "entropy as a share of a uniform spread's.</p>",
+    ]
+    if figures:
+        caption = "Entropy (left) and weight on the first token (right), one line per head"
+        if trace.dims.batch is not None:
+            caption += " (sequence 0)"
+        fig = summary_figure(trace)
+        parts.append(_figure(fig, "entropy per head over positions", "summary", caption))
+    rows = [
+        '<table class="heads"><tr><th>head</th><th>entropy</th><th>spread</th>'
+        "<th>max weight</th><th>first token</th><th>distance</th><th>stands out</th></tr>"
+    ]
+    for p in profile_heads(trace):
+        rows.append(
+            f"<tr><td>{'' if p.head is None else p.head}</td><td>{p.entropy:.3f}</td>"
+            f"<td>{p.spread:.0%}</td><td>{p.max_weight:.3f}</td><td>{p.sink_weight:.3f}</td>"
+            f"<td>{p.mean_distance:,.1f}</td><td>{escape('; '.join(p.notes) or '-')}</td></tr>"
+        )
+    rows.append("</table>")
+    return "".join(parts + rows)
+
+
 def _rows(vec: torch.Tensor | None, name: str, width: int) -> list[tuple[str, np.ndarray]]:
     """A walk vector as named rows: ``(d,)`` is one row, ``(H, d)`` one row per head."""
     if vec is None:
@@ -456,7 +487,12 @@ def trace_html(
     sizes += layer_features(trace)
     if d.batch is not None:
         sizes.append(f"batch of {d.batch} (pictures show sequence 0)")
-    labels = ", ".join(f"<code>{escape(label)}</code>" for label in trace.labels)
+    shown = trace.labels
+    if len(shown) > LIST_MAX:  # the first and last few, and how many
+        shown = (*shown[: LIST_MAX - 3], "…", *shown[-2:])
+    labels = ", ".join(f"<code>{escape(label)}</code>" for label in shown)
+    if len(trace.labels) > LIST_MAX:
+        labels += f" ({len(trace.labels):,} tokens)"
     module = (
         "" if trace.module is None else f" (<code>{escape(type(trace.module).__name__)}</code>)"
     )
@@ -478,6 +514,8 @@ def trace_html(
         fig = pipeline_figure(trace)
         body += ["<h2>Pipeline</h2>", _figure(fig, "the attention pipeline", "pipeline", caption)]
     body += ["<h2>Heatmaps</h2>", _heatmaps(trace, figures)]
+    if trace.rows is not None or trace.dims.tokens > LIST_MAX:
+        body.append(_summaries(trace, figures))
     if walk is not None:
         body.append(_walk(trace, walk))
     return _finish(_page("\n".join(body), title, full_page), path, overwrite)

@@ -27,6 +27,7 @@ from ..formatting import format_values
 from ..stages import MATRIX_STAGES
 from ..trace import Trace
 from .figures import key_labels, layer_features
+from .heads import profile_heads
 
 if TYPE_CHECKING:
     from ..lesson import DemoResult, Step
@@ -296,6 +297,36 @@ def _summary(out: _Out, trace: Trace, batch: int = 0) -> None:
                 top,
             )
     out.print(table)
+    _standouts(out, trace, batch)
+
+
+def _standouts(out: _Out, trace: Trace, batch: int = 0) -> None:
+    """Every head averaged over its later queries, the ones that stand out named."""
+    profiles = profile_heads(trace, batch)
+    out.line()
+    out.line(
+        ("heads", "bold"),
+        f": every query's summary, averaged over the later half ({trace.dims.tokens:,} "
+        "tokens); spread is entropy over the uniform spread's",
+    )
+    table = out.table(
+        "head", "entropy", "spread", "max weight", "first token", "distance", "stands out"
+    )
+    quiet = [p for p in profiles if not p.notes]
+    shown = profiles if len(profiles) <= 16 else [p for p in profiles if p.notes]
+    for p in shown:
+        table.add_row(
+            "" if p.head is None else str(p.head),
+            f"{p.entropy:.3f}",
+            f"{p.spread:.0%}",
+            f"{p.max_weight:.3f}",
+            f"{p.sink_weight:.3f}",
+            f"{p.mean_distance:,.1f}",
+            "; ".join(p.notes) or "-",
+        )
+    out.print(table)
+    if len(shown) < len(profiles):
+        out.line(f"  {len(quiet)} other heads: nothing stands out")
 
 
 def _checklist(out: _Out, checks: Sequence[tuple[str, bool, str]]) -> None:
