@@ -5,8 +5,8 @@ in ``/proc/self/status``; torch's CPU tensors escape ``tracemalloc``) is its own
 wall time of the measured call (best of ``--repeat``), and the peak memory above what the
 process held before the call (module, input, interpreter).
 
-    python benchmarks/bench_long.py                 # 4,096 tokens, and a 16,384-token row trace
-    python benchmarks/bench_long.py --long 65536    # the row trace at 65,536 tokens too
+    python benchmarks/bench_long.py                 # 4,096 tokens; 16,384 for the row trace
+    python benchmarks/bench_long.py --long 65536    # the row trace against the fast path at 64k
 
 Not part of the test suite.
 """
@@ -63,6 +63,7 @@ def run_one(config: str, tokens: int, repeat: int, block: int) -> dict:
 
     calls = {
         "fast": lambda: mha(x),
+        "fast-gqa": lambda: gqa(x),
         "explicit": lambda: mha._pipeline(x, None),
         "blocked": blocked,
         "full-trace": lambda: mha.trace(x),
@@ -102,7 +103,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--long", type=int, default=16384, help="the long row trace's tokens")
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--block", type=int, default=512)
     args = p.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args.tokens, args.repeat, args.block)))
@@ -110,7 +111,7 @@ def main() -> None:
     t = args.tokens
     rows = [measure(c, t, args.repeat, args.block) for c in ("fast", "explicit", "blocked")]
     rows += [measure(c, t, 1, args.block) for c in ("full-trace", "row-trace")]
-    rows.append(measure("row-trace", args.long, 1, args.block))
+    rows += [measure(c, args.long, 1, args.block) for c in ("fast-gqa", "row-trace")]
     print(f"d_model {D_MODEL}, {HEADS} heads, causal, batch 1, block {args.block}")
     print(f"{'config':<12} {'tokens':>7} {'seconds':>9} {'peak MiB':>9}")
     by = {}
@@ -141,6 +142,10 @@ def main() -> None:
         f"{ratio(('row-trace', t), ('full-trace', t), 'peak_mib')}"
     )
     long = args.long
+    print(
+        f"row trace / fast path at {long}: time "
+        f"{ratio(('row-trace', long), ('fast-gqa', long), 'seconds')}"
+    )
     print(
         f"row trace at {long} / at {t}: time "
         f"{ratio(('row-trace', long), ('row-trace', t), 'seconds')}, peak memory "

@@ -274,13 +274,13 @@ def _run(
     d_v = values.shape[-1]
     dtype = queries.dtype
     want = summary_k is not None
-    # the scale goes into the queries once (O(T * D)) rather than into every block of scores
-    q_all = lay.q * factor
+    q_all = lay.q
     k_all, v_all = lay.k.squeeze(2), lay.v.squeeze(2)  # (B, K, S, D): read in place
     # a query block's g heads share their kv head: (B, K, G * bq, D) @ (B, K, D, bk) needs no
     # copy of the keys per head
     bq_size = max(1, min(block, _BLOCK_ENTRIES // max(1, b * kv * g * block)))
-    context = q_all.new_empty(b, kv, g, n, d_v)
+    # tokens first in memory, so that merging the heads afterwards is a view, not a copy
+    context = q_all.new_empty(b, n, kv, g, d_v).permute(0, 2, 3, 1, 4)
     if want:
         stats = {
             name: torch.empty(b, kv, g, n, dtype=dtype, device=device)
@@ -303,7 +303,8 @@ def _run(
             idx = order[start : start + bq_size]
             qpos = qpos_all[idx]
         bq = qpos.shape[0]
-        q = q_all[:, :, :, idx, :].reshape(b, kv, g * bq, d)
+        # the scale goes into a block of queries rather than into every block of scores
+        q = q_all[:, :, :, idx, :].reshape(b, kv, g * bq, d) * factor
         lo, hi = int(qpos[0]), int(qpos[-1])  # sorted
         k_first = 0 if window is None else max(0, lo - window + 1)
         k_last = hi + 1 if causal else t_k
