@@ -49,6 +49,7 @@ __all__ = [
 # MATRIX_STAGES (from attnscope.stages): the stages a heatmap can show, the (T, T) matrices.
 #: Write values in the cells up to this many tokens (beyond, the digits would not fit).
 ANNOTATE_MAX = 12
+_MATRIX_NAMES = frozenset(s.value for s in MATRIX_STAGES)
 #: cells a side that a heatmap draws one per token; a longer input is pooled into tiles
 HEATMAP_CELLS = 128
 #: Resolution of written PNGs: sharp on high-density screens, still small files.
@@ -859,6 +860,11 @@ def _pipeline_boxes(trace: Trace, batch: int | None) -> list[_Box]:
         if heads is not None and name != "output":
             shared = kv is not None and name.endswith(("keys", "values"))
             note = f"kv head 0 of {kv}" if shared else f"head 0 of {heads}"
+        if trace.rows is not None and name in _MATRIX_NAMES:  # a row trace keeps a few rows
+            listed = ", ".join(str(r) for r in trace.rows[:3]) + (
+                ", ..." if len(trace.rows) > 3 else ""
+            )
+            sub = f"{sub}; rows {listed} only"
         return _Box(name, title, sub, tuple(trace[name].shape), shown, fill, col, row, note)
 
     x = _select(trace.inputs, batch)
@@ -1131,7 +1137,7 @@ def pipeline_figure(
         )
     _connect(ax, {b.key: b for b in boxes})
     d = trace.dims
-    sizes = f"{d.tokens} tokens, d_in={d.d_in}, d_out={d.d_out}"
+    sizes = f"{d.tokens:,} tokens, d_in={d.d_in}, d_out={d.d_out}"
     if d.num_heads:
         sizes += f", {d.num_heads} heads of {d.head_dim}"
     features = layer_features(trace)
