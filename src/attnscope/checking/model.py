@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import AttnScopeError
 from ..stages import Kind
-from .decode import PROMPT, STEPS, check_decoding
+from .decode import PROMPT, STEPS, check_decoding, decode_protocol
 from .probe import BATCH, ModuleProbe, first_tensor
 from .record import Recorder
 from .report import CheckReport, ModelReport
@@ -110,9 +110,16 @@ def _model_width(model: nn.Module) -> int | None:
 
 
 def check_model(
-    tgt: Target, seed: int, timeout: float | None, tokens: int | None, kind=None
+    tgt: Target,
+    seed: int,
+    timeout: float | None,
+    tokens: int | None,
+    kind=None,
+    decode: str | None = None,
 ) -> ModelReport:
-    """Every attention layer of ``tgt.obj``, checked where it sits (see the module doc)."""
+    """Every attention layer of ``tgt.obj``, checked where it sits (see the module doc), and
+    cached decoding against the full pass (``decode``: the protocol, see
+    :data:`.decode.PROTOCOLS`; by default read from the model)."""
     model = tgt.obj
     model.eval()
     vocab = token_vocabulary(model)
@@ -138,11 +145,19 @@ def check_model(
         sub = Target(layer, f"{tgt.text} {path}", "instance")
         report = ModuleProbe(sub, kind, seed, timeout, None, tokens, host=host).run()
         reports.append((path, report))
-    decode = None
+    decoded = None
     causal = all(Kind.of(r.kind).causal for _, r in reports)
-    if vocab is not None and causal:  # a language model: its cache, step by step
+    if decode not in (None, "none"):
+        protocol = decode_protocol(model, decode)  # raises when it does not fit
+        if vocab is None or not causal:
+            what = "takes vectors, not token ids" if vocab is None else "is not causal"
+            raise AttnScopeError(
+                f"--decode {protocol}: expected a causal language model (token ids in); "
+                f"{tgt.text} {what}"
+            )
+    if vocab is not None and causal and decode != "none":  # its cache, step by step
         ids = host.input(BATCH, PROMPT + STEPS)
-        decode = check_decoding(model, list(zip(paths, layers, strict=True)), ids)
-    report = ModelReport.of(tgt.text, reports, decode)
+        decoded = check_decoding(model, list(zip(paths, layers, strict=True)), ids, decode)
+    report = ModelReport.of(tgt.text, reports, decoded)
     report.notes = list(tgt.notes)
     return report
