@@ -94,10 +94,13 @@ def _cache_param(model: nn.Module) -> str | None:
     return next((n for n in ("past_key_values", "cache") if n in names), None)
 
 
-def _fits(model: nn.Module, protocol: str) -> bool:
+def _fits(model: nn.Module, protocol: str, ids: torch.Tensor | None = None) -> bool:
     names = _params(model)
     if protocol == "hf":
-        return "use_cache" in names and _cache_param(model) is not None
+        if "use_cache" not in names or _cache_param(model) is None:
+            return False
+        # cache= is the book's protocol too: Hugging Face's returns the cache it filled
+        return "past_key_values" in names or ids is None or _returns_cache(model, ids)
     if protocol == "buffers":
         return (
             "use_cache" in names
@@ -121,7 +124,7 @@ def decode_protocol(
     if asked is not None:
         if asked not in PROTOCOLS:
             raise AttnScopeError(f"--decode: expected one of {', '.join(PROTOCOLS)}, got {asked!r}")
-        if not _fits(model, asked):
+        if not _fits(model, asked, ids):
             params = ", ".join(sorted(_params(model))) or "nothing readable"
             reset = "" if callable(getattr(model, "reset_kv_cache", None)) else "out"
             raise AttnScopeError(

@@ -148,11 +148,12 @@ def check_model(
     decoded = None
     causal = all(Kind.of(r.kind).causal for _, r in reports)
     if decode not in (None, "none"):
-        protocol = decode_protocol(model, decode)  # raises when it does not fit
+        if vocab is not None:  # raises when it does not fit
+            decode_protocol(model, decode, host.input(BATCH, PROMPT + STEPS)[:, :PROMPT])
         if vocab is None or not causal:
             what = "takes vectors, not token ids" if vocab is None else "is not causal"
             raise AttnScopeError(
-                f"--decode {protocol}: expected a causal language model (token ids in); "
+                f"--decode {decode}: expected a causal language model (token ids in); "
                 f"{tgt.text} {what}"
             )
     if vocab is not None and causal and decode != "none":  # its cache, step by step
