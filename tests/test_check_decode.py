@@ -330,3 +330,36 @@ def test_the_prompt_cached_twice_is_stale_not_mask():
     d = check(_gallery("buggy_cache_stale_updated_twice")).decode
     assert d.mistake == "cache_stale" and "held twice" in d.message
     assert "0, 1, 2, 3, 4" in d.message
+
+
+class PastOnly(nn.Module):
+    """A hand-written Hugging Face-style model without use_cache: it always returns its
+    presents, and takes them back as past_key_values."""
+
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, context=64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(_Attention(d, heads, None) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, past_key_values=None):
+        n = input_ids.shape[1]
+        start = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        x = self.tok(input_ids) + self.pos(torch.arange(start, start + n))
+        presents = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, None if past_key_values is None else past_key_values[i])
+            presents.append(kv)
+        return self.head(x), presents
+
+
+def test_past_key_values_without_use_cache_is_the_hf_protocol():
+    def make():
+        torch.manual_seed(0)
+        return PastOnly()
+
+    report = check(make)
+    assert report.ok and report.decode.ok and report.decode.protocol == "hf"
+    with pytest.raises(AttnScopeError, match="--decode buffers: expected"):
+        check(make, decode="buffers")

@@ -6,17 +6,26 @@ attention layer's output for the new token must equal the full pass over the sam
 the first layer that differ are the failure, named from what the evidence shows:
 
 - ``cache_positions``: the new token reaches the first layer otherwise than in the full pass
-  (its learned position embedding not offset by the cache length), or the layer is handed
-  other rotary tables for it;
-- ``cache_mask``: the first step already differs with the same inputs: the new token does
-  not see the cached keys as it should;
-- ``cache_stale``: the first step is right and a later one is not: the cache was not
-  updated (or updated twice) after a step;
+  (its learned position embedding not offset by the cache length), the layer is handed
+  other rotary tables for it, or its key (among cached keys that are right) is not the full
+  pass's key for its position;
+- ``cache_stale``: what the step attends over holds some token twice, or lacks one (the
+  cache updated twice, or not updated); or, without that evidence, the first step is right
+  and a later one is not;
+- ``cache_mask``: the keys and values the step attends over are the full pass's and its
+  output is not, or the new token sees its own key alone;
 - ``cache_other``: anything else, a decoding step that raises included.
 
-Driven the way the model is meant to be: Hugging Face models with ``use_cache`` and
-``past_key_values``; the book's KV-cache models with ``use_cache=True`` and a ``cache=`` it
-fills (``llms_from_scratch.kv_cache``), its position counter reset first.
+The evidence (:class:`_Evidence`): where the first diverging layer gets the same input as in
+the full pass, the operands of its scores and context products (or of its fused call) are
+read from a recorded second run of the full pass and of the decoding up to that step, and
+held against each other token by token.
+
+Driven by protocol (:data:`PROTOCOLS`, ``--decode``), read from the forward's parameters and
+the model's methods, never from the package it comes from: ``hf`` (``past_key_values`` or
+``cache`` handed back, Hugging Face's or a model written that way, returning an output
+object or a tuple), ``buffers`` (``use_cache`` and ``reset_kv_cache()``, the cache kept in
+the model), ``cache`` (a KVCache passed in, the book's ``llms_from_scratch`` protocol).
 """
 
 from __future__ import annotations
@@ -77,38 +86,47 @@ PROTOCOLS = ("hf", "buffers", "cache", "none")
 
 #: what each protocol expects of the model, for the error when it does not fit
 EXPECTED = {
-    "hf": "a model whose forward takes use_cache and past_key_values (or cache, as from "
-    "transformers 5) and returns the cache it filled (Hugging Face's protocol; an output "
-    "object or a tuple)",
+    "hf": "a model whose forward takes past_key_values (or cache, as from transformers 5), "
+    "use_cache where it has one, and returns the cache it filled (Hugging Face's protocol; "
+    "an output object or a tuple)",
     "buffers": "a model whose forward takes use_cache, with a reset_kv_cache() method and no "
     "cache argument (the book's chapter-style cache held in the model's buffers)",
     "cache": "a model whose forward takes cache= (a KVCache with get and update, one slot "
     "per layer, as the book's llms_from_scratch models take)",
 }
 
+#: the parameters a Hugging Face-style forward is handed back the cache it returned by
+_PAST = ("past_key_values", "past_kv", "past")
+#: cache parameters of both kinds: Hugging Face's (transformers 5) where a call returns the
+#: cache, else a KVCache object the model fills (the book's)
+_CACHE = ("cache", "kv_cache")
+#: the methods that empty a cache kept in the model
+_RESETS = ("reset_kv_cache", "reset_cache", "clear_kv_cache", "clear_cache")
 
-def _cache_param(model: nn.Module) -> str | None:
-    """The parameter a Hugging Face-style forward takes its cache by: ``past_key_values``,
-    or ``cache`` (its name from transformers 5.x)."""
-    names = _params(model)
-    return next((n for n in ("past_key_values", "cache") if n in names), None)
+
+def _first(names: set[str], among: tuple[str, ...]) -> str | None:
+    return next((n for n in among if n in names), None)
+
+
+def _reset_method(model: nn.Module):
+    return next((getattr(model, n) for n in _RESETS if callable(getattr(model, n, None))), None)
 
 
 def _fits(model: nn.Module, protocol: str, ids: torch.Tensor | None = None) -> bool:
     names = _params(model)
     if protocol == "hf":
-        if "use_cache" not in names or _cache_param(model) is None:
-            return False
+        if _first(names, _PAST):
+            return True
         # cache= is the book's protocol too: Hugging Face's returns the cache it filled
-        return "past_key_values" in names or ids is None or _returns_cache(model, ids)
+        return _first(names, _CACHE) is not None and (ids is None or _returns_cache(model, ids))
     if protocol == "buffers":
         return (
             "use_cache" in names
-            and "cache" not in names
-            and callable(getattr(model, "reset_kv_cache", None))
+            and _first(names, _PAST + _CACHE) is None
+            and _reset_method(model) is not None
         )
     if protocol == "cache":
-        return "cache" in names
+        return _first(names, _CACHE) is not None
     return protocol == "none"
 
 
@@ -118,40 +136,41 @@ def decode_protocol(
     """The protocol to drive ``model``'s cache with: ``asked`` when it fits (an
     :class:`AttnScopeError` naming what was expected when it does not), else the first that
     fits, read from the forward's parameters and the model's methods (not from where the
-    class comes from); None when none does. A forward taking both ``use_cache`` and
-    ``cache`` is Hugging Face's (transformers 5) when a call on ``ids`` with
-    ``use_cache=True`` returns a cache, the book's otherwise."""
+    class comes from); None when none does. A forward taking ``cache`` is Hugging Face's
+    (transformers 5) when a call on ``ids`` returns a cache, the book's otherwise."""
     if asked is not None:
         if asked not in PROTOCOLS:
             raise AttnScopeError(f"--decode: expected one of {', '.join(PROTOCOLS)}, got {asked!r}")
         if not _fits(model, asked, ids):
             params = ", ".join(sorted(_params(model))) or "nothing readable"
-            reset = "" if callable(getattr(model, "reset_kv_cache", None)) else "out"
+            reset = "" if _reset_method(model) is not None else "out"
             raise AttnScopeError(
                 f"--decode {asked}: expected {EXPECTED[asked]}; {type(model).__name__}'s "
                 f"forward takes ({params}), with{reset} reset_kv_cache()"
             )
         return asked
     names = _params(model)
-    if {"use_cache", "past_key_values"} <= names:
+    if _first(names, _PAST):
         return "hf"
-    if {"use_cache", "cache"} <= names and ids is not None and _returns_cache(model, ids):
-        return "hf"
-    if "cache" in names and (
-        "use_cache" in names
-        or callable(getattr(model, "reset_kv_cache", None))
-        or _cache_class(model) is not None
-    ):
-        return "cache"
+    if _first(names, _CACHE):
+        if ids is not None and _returns_cache(model, ids):
+            return "hf"
+        if (
+            "use_cache" in names
+            or _reset_method(model) is not None
+            or _cache_class(model) is not None
+        ):
+            return "cache"
     if _fits(model, "buffers"):
         return "buffers"
     return None
 
 
 def _returns_cache(model: nn.Module, ids: torch.Tensor) -> bool:
+    flag = {"use_cache": True} if "use_cache" in _params(model) else {}
     try:
         with torch.no_grad():
-            out = model(ids, use_cache=True)
+            out = model(ids, **flag)
     except Exception:  # noqa: BLE001  (it wants its cache passed in: not Hugging Face's)
         return False
     finally:
@@ -160,56 +179,59 @@ def _returns_cache(model: nn.Module, ids: torch.Tensor) -> bool:
 
 
 class _Driver:
-    """How to run one model with and without its cache, by ``protocol``:
+    """How to run one model with and without its cache, by ``protocol`` (``use_cache``
+    passed where the forward takes it):
 
     - ``hf``: ``model(ids, use_cache=False)``; the prompt with ``use_cache=True``, each step
-      with ``past_key_values=`` the cache the previous call returned;
+      with ``past_key_values=`` (or ``cache=``) the cache the previous call returned;
     - ``buffers``: ``reset_kv_cache()`` then ``model(ids)``; the prompt after a reset and
       each step with ``use_cache=True``, the model keeping its cache and position itself;
     - ``cache``: a KVCache made for the model (see :func:`make_cache`) passed as ``cache=``,
-      with ``use_cache=True`` where the forward takes it, the position counter reset first.
+      the position counter reset first.
     """
 
     def __init__(self, model: nn.Module, layers: int, protocol: str):
         self.model, self.layers, self.protocol = model, layers, protocol
         names = _params(model)
-        self.flag = {"use_cache": True} if "use_cache" in names else {}
+        takes = "use_cache" in names
+        self.on = {"use_cache": True} if takes else {}
+        self.off = {"use_cache": False} if takes else {}
+        self.param = _first(names, _PAST + _CACHE if protocol == "hf" else _CACHE)
         self._cache = None
 
     def full(self, ids: torch.Tensor):
         if self.protocol == "hf":
-            return self.model(ids, use_cache=False)
+            return self.model(ids, **self.off)
         self._reset()
         return self.model(ids)
 
     def start(self, ids: torch.Tensor):
         if self.protocol == "hf":
-            out = self.model(ids, use_cache=True)
+            out = self.model(ids, **self.on)
             self._cache = _returned_cache(out)
             if self._cache is None:
                 raise _NoCache("the prompt with use_cache=True returned no cache")
             return out
         self._reset()
         if self.protocol == "buffers":
-            return self.model(ids, use_cache=True)
+            return self.model(ids, **self.on)
         self._cache = make_cache(self.model, self.layers)
-        return self.model(ids, cache=self._cache, **self.flag)
+        return self.model(ids, **{self.param: self._cache}, **self.on)
 
     def step(self, ids: torch.Tensor):
         if self.protocol == "hf":
-            given = {_cache_param(self.model): self._cache}
-            out = self.model(ids, use_cache=True, **given)
+            out = self.model(ids, **{self.param: self._cache}, **self.on)
             self._cache = _returned_cache(out)
             if self._cache is None:
                 raise _NoCache("a step with use_cache=True returned no cache")
             return out
         if self.protocol == "buffers":
-            return self.model(ids, use_cache=True)
-        return self.model(ids, cache=self._cache, **self.flag)
+            return self.model(ids, **self.on)
+        return self.model(ids, **{self.param: self._cache}, **self.on)
 
     def _reset(self) -> None:
-        reset = getattr(self.model, "reset_kv_cache", None)
-        if callable(reset):
+        reset = _reset_method(self.model)
+        if reset is not None:
             reset()
         if hasattr(self.model, "current_pos"):
             self.model.current_pos = 0
@@ -398,7 +420,21 @@ def check_decoding(
     drive = _Driver(model, len(layers), protocol)
     with torch.no_grad():
         with _Taps(layers) as full_taps:
-            full = _output(drive.full(ids)).double()
+            try:
+                full = _output(drive.full(ids)).double()
+            except Exception as exc:  # noqa: BLE001
+                return Decode(
+                    False,
+                    STEPS,
+                    0,
+                    None,
+                    "cache_other",
+                    f"the full pass, driven as {protocol!r}, raised {_raised(exc)}",
+                    protocol,
+                    _raised_at(exc),
+                )
+        # a model that returns its last position alone: its layers are held, not its output
+        whole = full.dim() >= 2 and full.shape[1] == ids.shape[1]
         reference = {p: full_taps.seen[p] for p, _ in layers if p in full_taps.seen}
         try:
             drive.start(ids[:, :PROMPT])
@@ -449,7 +485,7 @@ def check_decoding(
                     protocol,
                     where,
                 )
-            if not close(out[:, -1:], full[:, pos : pos + 1]):
+            if whole and not close(out[:, -1:], full[:, pos : pos + 1]):
                 return Decode(
                     False,
                     STEPS,
