@@ -35,6 +35,9 @@ class _Attention(nn.Module):
             old_k, old_v = cache
             if self.bug == "twice" and old_k.shape[2] == 5:  # the prompt stored twice
                 old_k, old_v = torch.cat([old_k, old_k], dim=2), torch.cat([old_v, old_v], 2)
+            if self.bug == "empty":  # three empty slots in front, not masked
+                empty = old_k.new_zeros(b, self.h, 3, self.hd)
+                old_k, old_v = torch.cat([empty, old_k], 2), torch.cat([empty, old_v], 2)
             if self.bug == "mask":  # the new token attends to itself alone
                 old_k, old_v = old_k[:, :, :0], old_v[:, :, :0]
             k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
@@ -95,6 +98,7 @@ def test_a_correct_cache_decodes_like_the_full_pass():
         ("mask", "cache_mask", 0),
         ("stale", "cache_stale", 1),
         ("twice", "cache_stale", 0),
+        ("empty", "cache_mask", 0),
     ],
 )
 def test_each_decoding_bug_is_named_with_its_step_and_layer(bug, code, step):
@@ -363,3 +367,17 @@ def test_past_key_values_without_use_cache_is_the_hf_protocol():
     assert report.ok and report.decode.ok and report.decode.protocol == "hf"
     with pytest.raises(AttnScopeError, match="--decode buffers: expected"):
         check(make, decode="buffers")
+
+
+@pytest.mark.parametrize(
+    "bug,words",
+    [
+        ("twice", "token(s) 0, 1, 2, 3, 4 are held twice"),
+        ("stale", "token(s) 5 are missing"),
+        ("empty", "3 empty slots of the cache are not masked"),
+        ("mask", "its own key and value alone"),
+    ],
+)
+def test_the_evidence_is_in_the_message(bug, words):
+    d = check(_tiny(bug)).decode
+    assert words in d.message, d.message

@@ -277,17 +277,17 @@ def _cache_like(obj) -> bool:
 
 
 def _cache_class(model: nn.Module) -> type | None:
-    """The KVCache class the model comes with: one on the model (or its class), or one its
-    module defines or imports. Nothing is imported to find it."""
+    """The KVCache class the model comes with: one on the model's class, or one its module
+    defines or imports (a class named for a cache, with ``get`` and ``update``, made from a
+    layer count alone). Nothing is imported to find it."""
     for name in dir(type(model)):
         if "cache" in name.lower() and _cache_like(getattr(type(model), name, None)):
             return getattr(type(model), name)
     module = sys.modules.get(type(model).__module__)
     names = dict(vars(module)) if module is not None else {}
     names.update(getattr(type(model).forward, "__globals__", {}))
-    found = [v for v in names.values() if _cache_like(v)]
-    named = [v for v in found if "cache" in v.__name__.lower()]
-    return (named or found or [None])[0]
+    found = [v for v in names.values() if _cache_like(v) and "cache" in v.__name__.lower()]
+    return found[0] if found else None
 
 
 class KVCache:
