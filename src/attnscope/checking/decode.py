@@ -31,6 +31,7 @@ the model), ``cache`` (a KVCache passed in, the book's ``llms_from_scratch`` pro
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -386,10 +387,14 @@ def _raised_at(exc: BaseException) -> str | None:
     tb = exc.__traceback__
     while tb is not None:
         path = tb.tb_frame.f_code.co_filename
-        if "/torch/" not in path and "attnscope" not in path:
+        if not path.startswith((_TORCH_DIR, _OWN_DIR)):
             where = f"{short_path(path)}:{tb.tb_lineno}"
         tb = tb.tb_next
     return where
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor | None:
