@@ -181,11 +181,13 @@ def _gallery(name: str) -> str:
         ("correct_gpt_chapter_buffers", "buffers"),
         ("correct_gpt_external_cache", "cache"),
         ("correct_hf_style_tuple", "hf"),
+        ("correct_meta_style_start_pos", "buffers"),
     ],
 )
 def test_each_protocol_decodes_a_correct_model(name, protocol):
     """The chapter's cache in buffers (no cache argument), a cache= with the module's own
-    KVCache class, a hand-written Hugging Face-style model returning a tuple."""
+    KVCache class, a hand-written Hugging Face-style model returning a tuple, Meta's
+    forward(tokens, start_pos) with caches preallocated in buffers."""
     report = check(_gallery(name))
     assert report.ok and report.decode is not None, report.to_text(color=False)
     assert report.decode.ok and report.decode.protocol == protocol
@@ -318,6 +320,7 @@ _stale = _tiny("stale")
         ("buggy_cache_stale_updated_twice", "cache_stale", 0, "blocks.0.attn"),
         ("buggy_cache_mask_first_rows", "cache_mask", 0, "trf_blocks.0.att"),
         ("buggy_cache_other_cat_heads", "cache_other", 0, None),
+        ("buggy_cache_mask_whole_buffer", "cache_mask", 0, "layers.0.attention"),
     ],
 )
 def test_the_gallery_decode_bugs_are_named_from_evidence(name, code, step, layer):
@@ -381,3 +384,9 @@ def test_past_key_values_without_use_cache_is_the_hf_protocol():
 def test_the_evidence_is_in_the_message(bug, words):
     d = check(_tiny(bug)).decode
     assert words in d.message, d.message
+
+
+def test_a_preallocated_cache_seen_whole_is_a_mask_that_shows_too_many():
+    d = check(_gallery("buggy_cache_mask_whole_buffer")).decode
+    assert d.mistake == "cache_mask" and "sees too many" in d.message
+    assert "19 empty slots and 7 slots of later tokens" in d.message

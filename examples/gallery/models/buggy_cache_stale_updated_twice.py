@@ -30,7 +30,7 @@ class KVCache:
             self.slots[i] = kv
         else:
             self.slots[i] = tuple(
-                torch.cat([old, new], dim=2) for old, new in zip(self.slots[i], kv)
+                torch.cat([old, new], dim=2) for old, new in zip(self.slots[i], kv, strict=True)
             )
 
 

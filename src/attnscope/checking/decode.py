@@ -48,6 +48,10 @@ __all__ = ["Decode", "KVCache", "PROTOCOLS", "check_decoding", "decode_protocol"
 
 PROMPT, STEPS = 5, 8
 
+#: the parameter a forward takes the position of its first token by, where the caller keeps
+#: it (Meta's Llama: ``forward(tokens, start_pos)``, the cache in the layers' buffers)
+START = "start_pos"
+
 
 @dataclass
 class Decode:
@@ -90,8 +94,9 @@ EXPECTED = {
     "hf": "a model whose forward takes past_key_values (or cache, as from transformers 5), "
     "use_cache where it has one, and returns the cache it filled (Hugging Face's protocol; "
     "an output object or a tuple)",
-    "buffers": "a model whose forward takes use_cache, with a reset_kv_cache() method and no "
-    "cache argument (the book's chapter-style cache held in the model's buffers)",
+    "buffers": "a model whose forward takes use_cache, with a reset_kv_cache() method, or "
+    "start_pos, and no cache argument (the cache held in the model's buffers, as in the "
+    "book's chapter-style models or Meta's Llama)",
     "cache": "a model whose forward takes cache= (a KVCache with get and update, one slot "
     "per layer, as the book's llms_from_scratch models take)",
 }
@@ -121,10 +126,8 @@ def _fits(model: nn.Module, protocol: str, ids: torch.Tensor | None = None) -> b
         # cache= is the book's protocol too: Hugging Face's returns the cache it filled
         return _first(names, _CACHE) is not None and (ids is None or _returns_cache(model, ids))
     if protocol == "buffers":
-        return (
-            "use_cache" in names
-            and _first(names, _PAST + _CACHE) is None
-            and _reset_method(model) is not None
+        return _first(names, _PAST + _CACHE) is None and (
+            ("use_cache" in names and _reset_method(model) is not None) or START in names
         )
     if protocol == "cache":
         return _first(names, _CACHE) is not None
@@ -186,7 +189,8 @@ class _Driver:
     - ``hf``: ``model(ids, use_cache=False)``; the prompt with ``use_cache=True``, each step
       with ``past_key_values=`` (or ``cache=``) the cache the previous call returned;
     - ``buffers``: ``reset_kv_cache()`` then ``model(ids)``; the prompt after a reset and
-      each step with ``use_cache=True``, the model keeping its cache and position itself;
+      each step with ``use_cache=True``, the model keeping its cache and position itself
+      (or handed the position as ``start_pos=``, Meta's Llama);
     - ``cache``: a KVCache made for the model (see :func:`make_cache`) passed as ``cache=``,
       the position counter reset first.
     """
@@ -198,13 +202,20 @@ class _Driver:
         self.on = {"use_cache": True} if takes else {}
         self.off = {"use_cache": False} if takes else {}
         self.param = _first(names, _PAST + _CACHE if protocol == "hf" else _CACHE)
+        self.start_pos = START in names and protocol == "buffers"
         self._cache = None
+        self._pos = 0
+
+    def _at(self, ids: torch.Tensor, pos: int) -> dict:
+        """``start_pos=pos`` where the caller keeps the position, and the position moved on."""
+        self._pos = pos + ids.shape[1]
+        return {START: pos} if self.start_pos else {}
 
     def full(self, ids: torch.Tensor):
         if self.protocol == "hf":
             return self.model(ids, **self.off)
         self._reset()
-        return self.model(ids)
+        return self.model(ids, **self._at(ids, 0))
 
     def start(self, ids: torch.Tensor):
         if self.protocol == "hf":
@@ -215,7 +226,7 @@ class _Driver:
             return out
         self._reset()
         if self.protocol == "buffers":
-            return self.model(ids, **self.on)
+            return self.model(ids, **self.on, **self._at(ids, 0))
         self._cache = make_cache(self.model, self.layers)
         return self.model(ids, **{self.param: self._cache}, **self.on)
 
@@ -227,7 +238,7 @@ class _Driver:
                 raise _NoCache("a step with use_cache=True returned no cache")
             return out
         if self.protocol == "buffers":
-            return self.model(ids, **self.on)
+            return self.model(ids, **self.on, **self._at(ids, self._pos))
         return self.model(ids, **{self.param: self._cache}, **self.on)
 
     def _reset(self) -> None:
@@ -581,23 +592,40 @@ def _mask_line(rec: Recorder, score: Op, span) -> str | None:
     return score.location
 
 
-def _rows(step: torch.Tensor, full: torch.Tensor, pos: int) -> list[int | str | None] | None:
-    """For each token row the cached step attends over, the full pass's token it equals
-    (``"empty"`` for a row of zeros, None for none); None when the layouts do not match."""
+def _token_axis(step: torch.Tensor, full: torch.Tensor, keys: int | None = None) -> int | None:
+    """The axis of ``step`` that runs over the keys: the one whose size differs from the
+    full pass's; where none does (a preallocated cache as long in both), the last but one,
+    or the last where only it is ``keys`` long (keys transposed for the product)."""
     if step.dim() != full.dim() or step.dim() < 2:
         return None
     differ = [i for i in range(step.dim()) if step.shape[i] != full.shape[i]]
     if len(differ) > 1:
         return None
-    axis = differ[0] if differ else step.dim() - 2
+    if differ:
+        return differ[0]
+    if keys is not None and step.shape[-2] != keys and step.shape[-1] == keys:
+        return step.dim() - 1
+    return step.dim() - 2
+
+
+def _rows(
+    step: torch.Tensor, full: torch.Tensor, pos: int, keys: int | None = None
+) -> list[int | str | None] | None:
+    """For each token row the cached step attends over, the full pass's token it equals
+    (``"empty"`` for a row of zeros, ``"later"`` for a token after ``pos``, None for none);
+    None when the layouts do not match."""
+    axis = _token_axis(step, full, keys)
+    if axis is None:
+        return None
     s = step.movedim(axis, 0).reshape(step.shape[axis], -1).double()
-    f = full.movedim(axis, 0).reshape(full.shape[axis], -1).double()[: pos + 1]
+    f = full.movedim(axis, 0).reshape(full.shape[axis], -1).double()
     out: list[int | str | None] = []
     for row in s:
+        if not bool(row.abs().amax() > 0):
+            out.append("empty")
+            continue
         j = next((j for j in range(f.shape[0]) if close(row, f[j])), None)
-        if j is None and not bool(row.abs().amax() > 0):
-            j = "empty"
-        out.append(j)
+        out.append("later" if j is not None and j > pos else j)
     return out
 
 
@@ -612,9 +640,10 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
     if got is None:
         return None
     (fk, fv, _), (ck, cv, (k_line, score_line)) = got
-    values, keys = _rows(cv, fv, pos), _rows(ck, fk, pos)
+    values = _rows(cv, fv, pos)
     if values is None:
         return None
+    keys = _rows(ck, fk, pos, len(values))
     want = list(range(pos + 1))
     held = [j for j in values if isinstance(j, int)]
     twice = sorted({j for j in held if held.count(j) > 1})
@@ -654,11 +683,17 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
                 k_line,
             )
         return None
-    if empty:
+    later = values.count("later")
+    if empty or later:
+        what = " and ".join(
+            w
+            for w, n in ((f"{empty} empty slots", empty), (f"{later} slots of later tokens", later))
+            if n
+        )
         return (
             "cache_mask",
-            f"its keys and values are right, and {empty} empty slots of the cache are not "
-            "masked: the new token sees too many",
+            f"its keys and values for tokens 0..{pos} are right, and {what} of the cache are "
+            "not masked: the new token sees too many",
             score_line,
         )
     return (

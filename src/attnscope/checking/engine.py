@@ -151,7 +151,8 @@ def _a_model(tgt, exc: AttnScopeError) -> bool:
     attention layers in a row, or token ids in (an embedding table first)."""
     if isinstance(exc, SeveralLayers):
         return True
-    return token_vocabulary(tgt.obj) is not None and "raised on every probe" in str(exc)
+    raised = "raised on every probe" in str(exc) or "Every probe raised" in str(exc)
+    return token_vocabulary(tgt.obj) is not None and raised
 
 
 _SMALL_PROBE = 32  # tokens; below this one thread is as fast, and far faster on a busy CPU

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import AttnScopeError
 from ..stages import Kind
-from .decode import PROMPT, STEPS, check_decoding, decode_protocol
+from .decode import PROMPT, START, STEPS, check_decoding, decode_protocol
 from .probe import BATCH, ModuleProbe, first_tensor
 from .record import Recorder
 from .report import CheckReport, ModelReport
@@ -57,8 +57,11 @@ class ModelHost:
         """Run the model on ``x`` (ids or vectors): ``(output, None)`` or ``(None, error)``.
 
         Without its key/value cache: the arguments a layer gets are replayed to it many
-        times, and a cache would grow with every replay."""
+        times, and a cache would grow with every replay. A forward that needs the position
+        its tokens start at (Meta's Llama: ``forward(tokens, start_pos)``) gets 0."""
         extra = {"use_cache": False} if _takes(self.model, "use_cache") else {}
+        if _required(self.model, START):
+            extra[START] = 0
         result, err = call_safely(self.model, x, timeout=self.timeout, **extra)
         return (None, err) if err is not None else (first_tensor(result), None)
 
@@ -100,6 +103,15 @@ def _takes(module: nn.Module, name: str) -> bool:
         return name in inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _required(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward has a parameter ``name`` without a default."""
+    try:
+        p = inspect.signature(module.forward).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return p is not None and p.default is p.empty
 
 
 def _model_width(model: nn.Module) -> int | None:
