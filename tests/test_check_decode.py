@@ -390,3 +390,48 @@ def test_a_preallocated_cache_seen_whole_is_a_mask_that_shows_too_many():
     d = check(_gallery("buggy_cache_mask_whole_buffer")).decode
     assert d.mistake == "cache_mask" and "sees too many" in d.message
     assert "19 empty slots and 7 slots of later tokens" in d.message
+
+
+def _gallery_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_decode_{name}", MODELS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # the probe reads a class's module from sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_query_rotated_for_another_position_is_cache_positions():
+    """Keys (and values) cached right, and the new token's query alone rotated one position
+    behind: the query held against the full pass's says it is the position, not the mask."""
+    hf = _gallery_module("correct_hf_style_tuple")
+
+    class QueryBehind(hf.Attention):
+        def forward(self, hidden_states, cos, sin, past=None):
+            if past is None:
+                return super().forward(hidden_states, cos, sin, past)
+            b, n, d = hidden_states.shape
+            shape = (b, n, self.heads, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            behind = torch.arange(past[0].shape[2] - 1, past[0].shape[2] - 1 + n)
+            cq, sq = hf.rope_tables(self.head_dim, behind)
+            q = q * cq + hf.rotate_half(q) * sq
+            k = k * cos + hf.rotate_half(k) * sin
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(b, n, d)), (k, v)
+
+    def make():
+        model = hf.make_model()
+        for layer in model.layers:
+            layer.self_attn.__class__ = QueryBehind
+        return model
+
+    report = check(make)
+    assert all(r.ok for _, r in report.layers)
+    d = report.decode
+    assert (d.mistake, d.step, d.layer) == ("cache_positions", 0, "layers.0.self_attn"), d.message
+    assert "query" in d.message

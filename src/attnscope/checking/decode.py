@@ -560,7 +560,8 @@ class _Evidence:
 
 def _layer_operands(rec: Recorder, model: nn.Module, path: str):
     """The keys and values (as the computation used them) of the first attention core run
-    inside the module ``path``, and the line that made the keys; None if none is found."""
+    inside the module ``path``, the lines that made the keys, masked the scores and made
+    the queries, and the queries; None if none is found."""
     from .structure import _Reader
 
     cores = _Reader(rec, model)._scan()[0]
@@ -571,8 +572,9 @@ def _layer_operands(rec: Recorder, model: nn.Module, path: str):
             continue
         span = next((c for c in spans if c.start <= op.index < c.end), None)
         if span is not None:
-            k, v = rec.ops[core.k_node], rec.ops[core.v_node]
-            return k.output.detach(), v.output.detach(), (k.location, _mask_line(rec, op, span))
+            q, k, v = (rec.ops[n] for n in (core.q_node, core.k_node, core.v_node))
+            lines = (k.location, _mask_line(rec, op, span), q.location)
+            return k.output.detach(), v.output.detach(), lines, q.output.detach()
     return None
 
 
@@ -629,6 +631,15 @@ def _rows(
     return out
 
 
+def _same_query(step: torch.Tensor, full: torch.Tensor, pos: int) -> bool:
+    """Whether the step's query is the full pass's at ``pos`` (True where the layouts do not
+    say: no evidence against it)."""
+    axis = _token_axis(step, full)
+    if axis is None or step.shape[axis] != 1 or full.shape[axis] <= pos:
+        return True
+    return close(step.double(), full.narrow(axis, pos, 1).double())
+
+
 def _tokens(ts) -> str:
     ts = sorted(set(ts))
     return ", ".join(map(str, ts[:6])) + (", ..." if len(ts) > 6 else "")
@@ -639,7 +650,7 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
     got = evidence.operands()
     if got is None:
         return None
-    (fk, fv, _), (ck, cv, (k_line, score_line)) = got
+    (fk, fv, _, fq), (ck, cv, (k_line, score_line, q_line), cq) = got
     values = _rows(cv, fv, pos)
     if values is None:
         return None
@@ -673,6 +684,13 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
             k_line,
         )
     # the values held are exactly the full pass's: the keys, then the mask
+    if not _same_query(cq, fq, pos):
+        return (
+            "cache_positions",
+            f"the keys and values it attends over are right and the new token's query is not "
+            f"the full pass's query for position {pos} (rotated for another position?)",
+            q_line,
+        )
     if keys is not None and keys.count(None):
         cached_ok = all(j is not None for j, v in zip(keys, values, strict=False) if v != pos)
         if cached_ok:
