@@ -7,8 +7,8 @@ the first layer that differ are the failure, named from what the evidence shows:
 
 - ``cache_positions``: the new token reaches the first layer otherwise than in the full pass
   (its learned position embedding not offset by the cache length), the layer is handed
-  other rotary tables for it, or its key (among cached keys that are right) is not the full
-  pass's key for its position;
+  other rotary tables for it, or its query, or its key (among cached keys that are right),
+  is not the full pass's for its position;
 - ``cache_stale``: what the step attends over holds some token twice, or lacks one (the
   cache updated twice, or not updated); or, without that evidence, the first step is right
   and a later one is not;
