@@ -435,3 +435,11 @@ def test_a_query_rotated_for_another_position_is_cache_positions():
     d = report.decode
     assert (d.mistake, d.step, d.layer) == ("cache_positions", 0, "layers.0.self_attn"), d.message
     assert "query" in d.message
+
+
+def test_a_forward_in_inference_mode_is_checked_without_it():
+    """Meta's forward is decorated with torch.inference_mode, whose tensors cannot be
+    recorded: it runs without, and the report says so."""
+    report = check(_gallery("correct_meta_style_start_pos"))
+    assert report.ok and report.decode.ok
+    assert any("torch.inference_mode" in n for n in report.notes)

@@ -2,7 +2,8 @@
 
 Each attention layer writes its new keys and values into ``cache_k``/``cache_v`` (zeros,
 ``max_seq`` long) at ``start_pos`` and attends over ``cache_k[:bsz, : start_pos + seqlen]``;
-the caller keeps the position. An additive mask for prompts, none for one-token steps.
+the caller keeps the position. An additive mask for prompts, none for one-token steps; the
+forward runs in ``torch.inference_mode`` (the checker runs it without).
 (Learned positions offset by ``start_pos`` stand in for the rotary embedding.) Correct.
 """
 
@@ -77,6 +78,7 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
+    @torch.inference_mode()
     def forward(self, tokens, start_pos: int):
         _bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens) + self.pos(torch.arange(start_pos, start_pos + seqlen))

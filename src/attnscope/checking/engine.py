@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Iterator
 
 import torch
@@ -81,6 +82,8 @@ def check(
     timeout = timeout or None
     with _threads(1 if tokens is None or tokens <= _SMALL_PROBE else None):
         tgt = load(target, kind=kind, init=init, seed=seed, tokens=tokens, timeout=timeout)
+        if tgt.is_module:
+            _out_of_inference_mode(tgt)
         try:
             if tgt.is_module:
                 try:
@@ -108,6 +111,25 @@ def check(
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); naming the weights with "
                 "--weights or the kind with --kind may help, and this is worth reporting"
             ) from exc
+
+
+def _out_of_inference_mode(tgt: Target) -> None:
+    """Forwards decorated with ``torch.inference_mode`` (Meta's Llama) run without it: its
+    tensors keep no version counter, and the record needs one. Said in the notes."""
+    undone = []
+    for path, m in tgt.obj.named_modules():
+        forward = type(m).forward
+        cells = [c.cell_contents for c in getattr(forward, "__closure__", None) or ()]
+        if hasattr(forward, "__wrapped__") and any(
+            isinstance(getattr(c, "__self__", c), torch.inference_mode) for c in cells
+        ):
+            m.forward = types.MethodType(forward.__wrapped__, m)
+            undone.append(path or type(m).__name__)
+    if undone:
+        tgt.notes.append(
+            f"checked without the torch.inference_mode that decorates {', '.join(undone)}'s "
+            "forward (inference tensors cannot be recorded)"
+        )
 
 
 def _not_decoded(report: CheckReport, tgt, decode: str | None) -> CheckReport:
