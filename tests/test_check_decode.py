@@ -443,3 +443,20 @@ def test_a_forward_in_inference_mode_is_checked_without_it():
     report = check(_gallery("correct_meta_style_start_pos"))
     assert report.ok and report.decode.ok
     assert any("torch.inference_mode" in n for n in report.notes)
+
+
+class DictOut(PastOnly):
+    """Returns a plain dict: {"logits": ..., "presents": ...}."""
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
+        logits, presents = super().forward(input_ids, past_key_values)
+        return {"logits": logits, "presents": presents if use_cache else None}
+
+
+def test_a_model_returning_a_dict_decodes():
+    def make():
+        torch.manual_seed(0)
+        return DictOut()
+
+    report = check(make)
+    assert report.ok and report.decode.ok and report.decode.protocol == "hf", report.decode

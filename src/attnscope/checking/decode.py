@@ -254,14 +254,14 @@ class _NoCache(RuntimeError):
 
 
 def _returned_cache(out):
-    """The cache a Hugging Face-style call returned: ``past_key_values`` of an output object,
-    or, from a tuple (``return_dict=False``, or a model written by hand), the first item
-    after the output that is not a tensor."""
-    for name in ("past_key_values", "cache"):
-        cache = getattr(out, name, None)
+    """The cache a Hugging Face-style call returned: ``past_key_values`` (or ``presents``,
+    ...) of an output object or a dict, or, from a tuple (``return_dict=False``, or a model
+    written by hand), the first item after the output that is not a tensor."""
+    for name in ("past_key_values", "cache", "presents", "past_kv", "past", "kv_cache"):
+        cache = out.get(name) if isinstance(out, Mapping) else getattr(out, name, None)
         if cache is not None:
             return cache
-    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
+    if isinstance(out, (tuple, list)):
         for item in out[1:]:
             if item is not None and not isinstance(item, torch.Tensor):
                 return item
@@ -304,7 +304,8 @@ def _cache_class(model: nn.Module) -> type | None:
 
 class KVCache:
     """The book's ``KVCache`` interface, for a model that takes ``cache=`` and comes with no
-    cache class of its own: one slot per layer, ``get``, ``update``, ``get_all``, ``reset``."""
+    cache class of its own: one slot per layer, ``get``, ``update``, ``get_all``, ``reset``;
+    also indexed like the list of per-layer slots it holds."""
 
     def __init__(self, n_layers: int):
         self.cache = [None] * n_layers
@@ -320,6 +321,15 @@ class KVCache:
 
     def reset(self) -> None:
         self.cache = [None] * len(self.cache)
+
+    def __getitem__(self, layer_idx: int):
+        return self.cache[layer_idx]
+
+    def __setitem__(self, layer_idx: int, value) -> None:
+        self.cache[layer_idx] = value
+
+    def __len__(self) -> int:
+        return len(self.cache)
 
 
 def make_cache(model: nn.Module, layers: int):
@@ -347,7 +357,7 @@ def make_cache(model: nn.Module, layers: int):
 
 def _output(result) -> torch.Tensor:
     for name in ("logits", "last_hidden_state"):
-        t = getattr(result, name, None)
+        t = result.get(name) if isinstance(result, Mapping) else getattr(result, name, None)
         if isinstance(t, torch.Tensor):
             return t
     return first_tensor(result)
