@@ -460,3 +460,24 @@ def test_a_model_returning_a_dict_decodes():
 
     report = check(make)
     assert report.ok and report.decode.ok and report.decode.protocol == "hf", report.decode
+
+
+def test_keys_cached_as_values_are_cache_other():
+    """A copy-paste slip stores the keys twice, (k, k): the cached values are no token's
+    value in the full pass, whatever the mask does: cache_other, with the evidence."""
+
+    class KeysTwice(_Attention):
+        def forward(self, x, cache=None):
+            out, (k, v) = super().forward(x, cache)
+            return out, (k, k)
+
+    def make():
+        torch.manual_seed(0)
+        model = TinyGPT()
+        for block in model.blocks:
+            block.__class__ = KeysTwice
+        return model
+
+    d = check(make).decode
+    assert (d.mistake, d.step, d.layer) == ("cache_other", 0, "blocks.0"), d.message
+    assert "no token's value in the full pass" in d.message

@@ -14,7 +14,8 @@ the first layer that differ are the failure, named from what the evidence shows:
   and a later one is not;
 - ``cache_mask``: the keys and values the step attends over are the full pass's and its
   output is not, or the new token sees its own key alone;
-- ``cache_other``: anything else, a decoding step that raises included.
+- ``cache_other``: anything else: cached values that are no token's value in the full
+  pass, a decoding step that raises (with its line).
 
 The evidence (:class:`_Evidence`): where the first diverging layer gets the same input as in
 the full pass, the operands of its scores and context products (or of its fused call) are
@@ -679,7 +680,13 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
         )
     missing = [j for j in want if j not in held]
     if unknown:
-        return None
+        return (
+            "cache_other",
+            f"{unknown} of the {len(values)} values it attends over are no token's value in "
+            "the full pass: the cache holds something else (another layout, precision or "
+            "sequence?)",
+            k_line,
+        )
     if missing and held == [pos]:
         return (
             "cache_mask",
