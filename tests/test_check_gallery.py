@@ -100,11 +100,15 @@ def test_gallery_has_models_for_each_decode_code_and_a_later_layer_bug():
 
 
 @pytest.mark.parametrize("path,expect", MODELS, ids=[p.stem for p, _ in MODELS])
-def test_gallery_model(path, expect):
+def test_gallery_model(path, expect, report_schema):
     """A model: every attention layer checked where it sits (the first failing one named
-    with its stage and mistake), and decoding with its cache (the code, step and layer)."""
+    with its stage and mistake), and decoding with its cache (the code, step and layer);
+    the report follows the contract."""
+    import jsonschema
+
     report = check(target_of(path, expect), init=expect.get("init"))
     assert isinstance(report, ModelReport)
+    jsonschema.validate(report.to_dict(), report_schema)
     assert model_outcome(report, expect) == model_wanted(expect), report.to_text(color=False)
     if report.decode is not None and not report.decode.ok:
         assert report.decode.location, report.decode.message
