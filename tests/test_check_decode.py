@@ -481,3 +481,12 @@ def test_keys_cached_as_values_are_cache_other():
     d = check(make).decode
     assert (d.mistake, d.step, d.layer) == ("cache_other", 0, "blocks.0"), d.message
     assert "no token's value in the full pass" in d.message
+
+
+def test_the_text_report_says_how_it_decoded_and_where_to_look():
+    text = check(_gallery("buggy_cache_mask_first_rows")).to_text(color=False)
+    assert "decoding with its cache (buffers): FAIL  cache_mask at step 0" in text
+    lines = text.splitlines()
+    assert any(x.startswith("  at ") and "buggy_cache_mask_first_rows.py:" in x for x in lines)
+    ok = check(_gallery("correct_hf_style_tuple")).to_text(color=False)
+    assert "decoding with its cache (hf): pass  8 cached steps equal the full pass" in ok
