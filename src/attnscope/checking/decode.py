@@ -258,7 +258,7 @@ def _returned_cache(out):
     """The cache a Hugging Face-style call returned: ``past_key_values`` (or ``presents``,
     ...) of an output object or a dict, or, from a tuple (``return_dict=False``, or a model
     written by hand), the first item after the output that is not a tensor."""
-    for name in ("past_key_values", "cache", "presents", "past_kv", "past", "kv_cache"):
+    for name in ("cache", "past_key_values", "presents", "past_kv", "past", "kv_cache"):
         cache = out.get(name) if isinstance(out, Mapping) else getattr(out, name, None)
         if cache is not None:
             return cache
