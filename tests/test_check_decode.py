@@ -274,8 +274,8 @@ def test_decode_none_skips_decoding_and_a_named_protocol_is_used():
 @pytest.mark.parametrize(
     "decode,words",
     [
-        ("buffers", "reset_kv_cache"),
-        ("hf", "past_key_values"),
+        ("buffers", "reset_kv_cache.*without reset_kv_cache"),
+        ("hf", "past_key_values.*returned no cache"),
     ],
 )
 def test_a_protocol_that_does_not_fit_is_refused_naming_what_was_expected(decode, words):

@@ -147,11 +147,17 @@ def decode_protocol(
         if asked not in PROTOCOLS:
             raise AttnScopeError(f"--decode: expected one of {', '.join(PROTOCOLS)}, got {asked!r}")
         if not _fits(model, asked, ids):
-            params = ", ".join(sorted(_params(model))) or "nothing readable"
-            reset = "" if _reset_method(model) is not None else "out"
+            names = _params(model)
+            params = ", ".join(sorted(names)) or "nothing readable"
+            if asked == "hf" and _first(names, _CACHE):
+                more = ", and a call of it returned no cache"
+            elif asked == "buffers":
+                more = ", with" + ("" if _reset_method(model) else "out") + " reset_kv_cache()"
+            else:
+                more = ""
             raise AttnScopeError(
                 f"--decode {asked}: expected {EXPECTED[asked]}; {type(model).__name__}'s "
-                f"forward takes ({params}), with{reset} reset_kv_cache()"
+                f"forward takes ({params}){more}"
             )
         return asked
     names = _params(model)
