@@ -267,6 +267,7 @@ def test_model_report_grid_has_a_decoding_column():
     assert "✗ step 0</span> <code>cache_stale</code>" in page
     assert page.count("not reached") == 2
     assert 'id="decode"' in page and "held twice" in page
+    assert "FAILED in decoding (cache_stale at step 0)" in page and "None" not in page
     assert "buggy_cache_stale_updated_twice.py:" in page
     ok = check(f"{models / 'correct_gpt_external_cache.py'}:make_model").to_html()
     assert ok.count('<td class="decode"') == 3 and "8 cached steps equal the full pass" in ok

@@ -680,7 +680,7 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
     if twice:
         return (
             "cache_stale",
-            f"it attends over {len(values)} cached keys and values for {pos + 1} tokens: "
+            f"it attends over {len(values)} keys and values for {pos + 1} tokens: "
             f"those of token(s) {_tokens(twice)} are held twice (the cache updated twice)",
             k_line,
         )

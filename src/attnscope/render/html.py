@@ -722,7 +722,12 @@ def model_html(
             f"<tr{css}><th><code>{escape(layer)}</code></th><td>{escape(r.kind)}</td>{cells}</tr>"
         )
     title = f"attnscope check: {report.target}"
-    verdict = "OK" if report.ok else f"FAILED at {report.first_layer}"
+    if report.ok:
+        verdict = "OK"
+    elif report.first_layer is not None:
+        verdict = f"FAILED at {report.first_layer}"
+    else:  # every layer right: the decoding failed
+        verdict = f"FAILED in decoding ({d.mistake} at step {d.step})"
     body = [
         f"<h1>{escape(title)}</h1>",
         f'<p class="meta">{_verdict(report.ok)} {escape(verdict)} · '
