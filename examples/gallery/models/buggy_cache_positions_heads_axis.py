@@ -31,6 +31,15 @@ def rope_tables(head_dim, positions, base=10000.0):
     return angles.cos(), angles.sin()
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
 class Attention(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
@@ -58,8 +67,8 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(d)
-        self.post_attention_layernorm = nn.RMSNorm(d)
+        self.input_layernorm = RMSNorm(d)
+        self.post_attention_layernorm = RMSNorm(d)
         self.self_attn = Attention(d, heads)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
 
@@ -74,7 +83,7 @@ class TinyCausalLM(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(hidden_size, num_heads) for _ in range(num_layers))
-        self.norm = nn.RMSNorm(hidden_size)
+        self.norm = RMSNorm(hidden_size)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         self.head_dim = hidden_size // num_heads
 

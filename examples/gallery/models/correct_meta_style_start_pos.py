@@ -22,6 +22,15 @@ EXPECT = {
 }
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
 class Attention(nn.Module):
     def __init__(self, dim, n_heads, max_batch, max_seq):
         super().__init__()
@@ -59,7 +68,7 @@ class Block(nn.Module):
     def __init__(self, dim, heads, mb, ms):
         super().__init__()
         self.attention = Attention(dim, heads, mb, ms)
-        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
         self.feed_forward = nn.Sequential(
             nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim)
         )
@@ -75,7 +84,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_seq, dim)
         self.layers = nn.ModuleList(Block(dim, heads, max_batch, max_seq) for _ in range(n_layers))
-        self.norm = nn.RMSNorm(dim)
+        self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
     @torch.inference_mode()
