@@ -71,6 +71,8 @@ class TinyGPT(nn.Module):
         for i, block in enumerate(self.blocks):
             past = cache.get(i) if use_cache and cache is not None else None
             x, kv = block(x, past)
+            if self.bug == "never" and past is None:
+                continue  # the prompt's keys and values are never stored
             if use_cache and cache is not None:
                 stale = self.bug == "stale" and past is not None
                 cache.update(i, past if stale else kv)
@@ -99,6 +101,7 @@ def test_a_correct_cache_decodes_like_the_full_pass():
         ("stale", "cache_stale", 1),
         ("twice", "cache_stale", 0),
         ("empty", "cache_mask", 0),
+        ("never", "cache_stale", 0),
     ],
 )
 def test_each_decoding_bug_is_named_with_its_step_and_layer(bug, code, step):
@@ -378,7 +381,8 @@ def test_past_key_values_without_use_cache_is_the_hf_protocol():
         ("twice", "token(s) 0, 1, 2, 3, 4 are held twice"),
         ("stale", "token(s) 5 are missing"),
         ("empty", "3 empty slots of the cache are not masked"),
-        ("mask", "its own key and value alone"),
+        ("mask", "its own key and value alone, none of the cached ones (which the step reads)"),
+        ("never", "the step reads no cache of the 5 tokens before it (the cache not updated)"),
     ],
 )
 def test_the_evidence_is_in_the_message(bug, words):

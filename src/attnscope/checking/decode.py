@@ -9,11 +9,12 @@ the first layer that differ are the failure, named from what the evidence shows:
   (its learned position embedding not offset by the cache length), the layer is handed
   other rotary tables for it, or its query, or its key (among cached keys that are right),
   is not the full pass's for its position;
-- ``cache_stale``: what the step attends over holds some token twice, or lacks one (the
-  cache updated twice, or not updated); or, without that evidence, the first step is right
-  and a later one is not;
+- ``cache_stale``: what the step attends over holds some token twice, or lacks one, or the
+  step reads no cache at all (the cache updated twice, or not updated); or, without that
+  evidence, the first step is right and a later one is not;
 - ``cache_mask``: the keys and values the step attends over are the full pass's and its
-  output is not, or the new token sees its own key alone;
+  output is not; or slots beyond the token (empty, or left over) are seen; or the new token
+  sees its own key alone while the step reads a cache of the tokens before it;
 - ``cache_other``: anything else: cached values that are no token's value in the full
   pass, a decoding step that raises (with its line).
 
@@ -543,6 +544,7 @@ class _Evidence:
         self.ids, self.path, self.step = ids, path, step
         self._read = False
         self.full = self.cached = None
+        self.cache_seen = False
 
     def operands(self):
         """``((keys, values, where), (keys, values, where))``: full pass, cached step; None
@@ -572,7 +574,21 @@ class _Evidence:
         rec = Recorder({id(new): "input:0"}, self.model)
         with rec:
             drive.step(new)
+        self.cache_seen = _cache_seen(rec, self.model, pos)
         return full, _layer_operands(rec, self.model, self.path)
+
+
+def _cache_seen(rec: Recorder, model: nn.Module, cached: int) -> bool:
+    """Whether the step read a cache holding ``cached`` tokens: a tensor made before it
+    (not a parameter) with three axes or more, one of them ``cached`` long."""
+    params = {p.data_ptr() for p in model.parameters()}
+    for op in rec.ops:
+        t = op.output
+        if op.args or not op.name.startswith("input of") or not t.is_floating_point():
+            continue
+        if t.dim() >= 3 and cached in t.shape and t.data_ptr() not in params:
+            return True
+    return False
 
 
 def _layer_operands(rec: Recorder, model: nn.Module, path: str):
@@ -693,11 +709,19 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
             "sequence?)",
             k_line,
         )
-    if missing and held == [pos]:
+    if missing and held == [pos] and evidence.cache_seen:
         return (
             "cache_mask",
-            "the new token sees its own key and value alone, none of the cached ones",
+            "the new token sees its own key and value alone, none of the cached ones "
+            "(which the step reads)",
             score_line,
+        )
+    if missing and held == [pos]:
+        return (
+            "cache_stale",
+            f"the new token sees its own key and value alone: the step reads no cache of "
+            f"the {pos} tokens before it (the cache not updated)",
+            k_line,
         )
     if missing:
         return (
