@@ -66,6 +66,65 @@ def wanted(expect: dict) -> tuple:
     return ("ok",) if expect.get("ok") else (expect["stage"], expect["mistake"])
 
 
+def is_model(expect: dict) -> bool:
+    """A whole model's EXPECT (``kind: "model"``): checked layer by layer, and decoded."""
+    return expect.get("kind") == "model"
+
+
+def model_outcome(report, expect: dict) -> dict:
+    """What a model's report says, in the terms of its EXPECT: ``ok``; ``layer``, ``stage``
+    and ``mistake`` of the first failing attention layer (None where every layer passes);
+    ``decode`` and, where the EXPECT states them, ``decode``'s ``step`` and ``layer``;
+    ``layers`` where the EXPECT lists them."""
+    failure = report.first_failure
+    got = {
+        "ok": report.ok,
+        "layer": report.first_layer,
+        "stage": None if failure is None else failure.stage.value,
+        "mistake": None if failure is None else failure.mistake,
+        "decode": _decode_of(report.decode, expect.get("decode")),
+    }
+    if "layers" in expect:
+        got["layers"] = [path for path, _ in report.layers]
+    return got
+
+
+def model_wanted(expect: dict) -> dict:
+    """A model EXPECT in the form of :func:`model_outcome`. ``layer``/``stage``/``mistake``
+    name the first failing attention layer (absent: every layer passes); ``decode`` is the
+    decoding verdict: ``"ok"`` (or True), a mistake code, a dict with ``mistake`` and
+    optionally ``step`` and ``layer``, or None (absent) when the model is not decoded."""
+    want = {
+        "ok": bool(expect.get("ok")),
+        "layer": expect.get("layer"),
+        "stage": expect.get("stage"),
+        "mistake": expect.get("mistake"),
+        "decode": _decode_wanted(expect.get("decode")),
+    }
+    if "layers" in expect:
+        want["layers"] = list(expect["layers"])
+    return want
+
+
+def _decode_wanted(decode) -> dict | None:
+    if decode is None:
+        return None
+    if decode is True or decode == "ok":
+        return {"mistake": None}
+    if isinstance(decode, str):
+        return {"mistake": decode}
+    return {k: decode[k] for k in ("mistake", "step", "layer") if k in decode}
+
+
+def _decode_of(decode, expected) -> dict | None:
+    """The report's ``decode`` with the fields the EXPECT states."""
+    if decode is None:
+        return None
+    want = _decode_wanted(expected) or {"mistake": None}
+    got = {"mistake": decode.mistake, "step": decode.step, "layer": decode.layer}
+    return {k: got[k] for k in want}
+
+
 @pytest.fixture(scope="session")
 def report_schema() -> dict:
     return json.loads(SCHEMA.read_text())

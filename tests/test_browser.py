@@ -150,3 +150,25 @@ def test_check_report_renders(driver, pages):
     tables = failure.find_elements(By.CSS_SELECTOR, "table.matrix")
     assert len(tables) == 3 and all(t.is_displayed() for t in tables)
     assert EVIL in driver.find_element(By.TAG_NAME, "h1").text
+
+
+def test_model_report_renders_the_decoding_column(driver, tmp_path):
+    """A model's layers x stages grid with its decoding column, and the decoding failure's
+    message and line below it."""
+    from conftest import GALLERY
+
+    page = tmp_path / "model.html"
+    target = GALLERY / "models" / "buggy_cache_mask_first_rows.py"
+    a.check(f"{target}:make_model").to_html(str(page))
+    _open(driver, page)
+    _assert_clean(driver)
+    header = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "table tr:first-child th")]
+    assert header[-1] == "decoding" and "masked_scores" in header
+    cells = driver.find_elements(By.CSS_SELECTOR, "td.decode")
+    assert [c.text for c in cells] == ["✗ step 0 cache_mask", "not reached"]
+    assert all(c.is_displayed() for c in cells)
+    section = driver.find_element(By.ID, "decode")
+    assert section.is_displayed() and section.size["height"] > 60
+    assert "Decoding with its cache: cache_mask" in section.text
+    assert "buggy_cache_mask_first_rows.py:" in section.text
+    _not_blank(section.screenshot_as_png)

@@ -3,14 +3,22 @@ attention layer's output for the new token held to the full forward over the sam
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
+from conftest import GALLERY, ROOT
 from torch import nn
 
-from attnscope import check
+from attnscope import AttnScopeError, check
+from attnscope.cli import main
 
-pytest.importorskip("llms_from_scratch.kv_cache.utils", reason="llms-from-scratch not installed")
-transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+MODELS = GALLERY / "models"
+
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="transformers is not installed")
 
 
 class _Attention(nn.Module):
@@ -25,6 +33,11 @@ class _Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
         if cache is not None:
             old_k, old_v = cache
+            if self.bug == "twice" and old_k.shape[2] == 5:  # the prompt stored twice
+                old_k, old_v = torch.cat([old_k, old_k], dim=2), torch.cat([old_v, old_v], 2)
+            if self.bug == "empty":  # three empty slots in front, not masked
+                empty = old_k.new_zeros(b, self.h, 3, self.hd)
+                old_k, old_v = torch.cat([empty, old_k], 2), torch.cat([empty, old_v], 2)
             if self.bug == "mask":  # the new token attends to itself alone
                 old_k, old_v = old_k[:, :, :0], old_v[:, :, :0]
             k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
@@ -58,6 +71,8 @@ class TinyGPT(nn.Module):
         for i, block in enumerate(self.blocks):
             past = cache.get(i) if use_cache and cache is not None else None
             x, kv = block(x, past)
+            if self.bug == "never" and past is None:
+                continue  # the prompt's keys and values are never stored
             if use_cache and cache is not None:
                 stale = self.bug == "stale" and past is not None
                 cache.update(i, past if stale else kv)
@@ -84,6 +99,9 @@ def test_a_correct_cache_decodes_like_the_full_pass():
         ("positions", "cache_positions", 0),
         ("mask", "cache_mask", 0),
         ("stale", "cache_stale", 1),
+        ("twice", "cache_stale", 0),
+        ("empty", "cache_mask", 0),
+        ("never", "cache_stale", 0),
     ],
 )
 def test_each_decoding_bug_is_named_with_its_step_and_layer(bug, code, step):
@@ -99,6 +117,7 @@ def test_each_decoding_bug_is_named_with_its_step_and_layer(bug, code, step):
 def test_hugging_face_language_models_decode_with_their_own_cache(report_schema):
     import jsonschema
 
+    transformers = _transformers()
     cfg = transformers.LlamaConfig(
         hidden_size=32,
         num_attention_heads=4,
@@ -115,6 +134,7 @@ def test_hugging_face_language_models_decode_with_their_own_cache(report_schema)
 def test_a_decoding_step_that_raises_is_cache_other_with_its_line():
     """The book's own GPT-2 KV-cache module (llms-from-scratch 1.0.19) slices its causal
     mask by columns on a one-token step: the step raises, and the report says where."""
+    pytest.importorskip("llms_from_scratch", reason="llms-from-scratch not installed")
     gpt2 = pytest.importorskip("llms_from_scratch.kv_cache.gpt2")
     cfg = {
         "vocab_size": 100,
@@ -135,6 +155,7 @@ def test_a_decoding_step_that_raises_is_cache_other_with_its_line():
 def test_the_books_kv_cache_llama3_and_qwen3_models():
     """The book's Llama 3 and Qwen 3 with their KV cache: every layer (grouped heads, RoPE,
     Qwen's QK norm) checked where it sits, and cached decoding equal to the full pass."""
+    pytest.importorskip("llms_from_scratch", reason="llms-from-scratch not installed")
     l3 = pytest.importorskip("llms_from_scratch.kv_cache.llama3")
     q3 = pytest.importorskip("llms_from_scratch.kv_cache.qwen3")
     common = dict(vocab_size=100, context_length=64, emb_dim=32, n_heads=4, n_layers=2)
@@ -148,3 +169,328 @@ def test_the_books_kv_cache_llama3_and_qwen3_models():
         assert [p for p, _ in report.layers] == ["trf_blocks.0.att", "trf_blocks.1.att"]
         assert all(r.structure["kv_heads"] == 2 for _, r in report.layers)
         assert all(r.structure["qk_norm"] == norm for _, r in report.layers)
+
+
+# --- protocols: by what the forward takes, not by where the class comes from ---------------
+
+
+def _gallery(name: str) -> str:
+    return f"{MODELS / name}.py:make_model"
+
+
+@pytest.mark.parametrize(
+    "name,protocol",
+    [
+        ("correct_gpt_chapter_buffers", "buffers"),
+        ("correct_gpt_external_cache", "cache"),
+        ("correct_hf_style_tuple", "hf"),
+        ("correct_meta_style_start_pos", "buffers"),
+    ],
+)
+def test_each_protocol_decodes_a_correct_model(name, protocol):
+    """The chapter's cache in buffers (no cache argument), a cache= with the module's own
+    KVCache class, a hand-written Hugging Face-style model returning a tuple, Meta's
+    forward(tokens, start_pos) with caches preallocated in buffers."""
+    report = check(_gallery(name))
+    assert report.ok and report.decode is not None, report.to_text(color=False)
+    assert report.decode.ok and report.decode.protocol == protocol
+
+
+def test_the_cache_protocol_needs_no_llms_from_scratch(monkeypatch):
+    """A model that takes cache= gets its module's KVCache, or attnscope's own; the book's
+    package (a test-only dependency) is not imported for it."""
+    for name in (
+        "llms_from_scratch",
+        "llms_from_scratch.kv_cache",
+        "llms_from_scratch.kv_cache.utils",
+    ):
+        monkeypatch.setitem(sys.modules, name, None)  # any import of it raises ImportError
+    from attnscope.checking.decode import KVCache, make_cache
+
+    own = check(_gallery("correct_gpt_external_cache"))
+    assert own.decode.ok and own.decode.protocol == "cache"
+    ours = check(_tiny())  # this test module defines no cache class: attnscope's is used
+    assert ours.decode.ok, ours.decode.message
+    assert isinstance(make_cache(_tiny()(), 2), KVCache)
+
+
+def test_a_cache_class_on_the_model_is_used():
+    made = []
+
+    class Slots:
+        def __init__(self, n_layers):
+            made.append(n_layers)
+            self.slots = [None] * n_layers
+
+        def get(self, i):
+            return self.slots[i]
+
+        def update(self, i, kv):
+            self.slots[i] = kv
+
+    class WithItsCache(TinyGPT):
+        cache_class = Slots
+
+    def make():
+        torch.manual_seed(0)
+        return WithItsCache()
+
+    report = check(make)
+    assert report.decode.ok and made and set(made) == {2}
+
+
+def test_a_hugging_face_model_returning_a_tuple_decodes():
+    """return_dict=False: (logits, cache) instead of an output object."""
+    transformers = _transformers()
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=100,
+        intermediate_size=64,
+    )
+
+    class TupleLlama(transformers.LlamaForCausalLM):
+        def forward(self, input_ids, past_key_values=None, use_cache=False):
+            out = super().forward(input_ids, cache=past_key_values, use_cache=use_cache)
+            return (out.logits, out.past_key_values) if use_cache else (out.logits,)
+
+    def make():
+        torch.manual_seed(0)
+        return TupleLlama(cfg)
+
+    report = check(make)
+    assert report.ok and report.decode.ok and report.decode.protocol == "hf", report.decode.message
+
+
+# --- decode= and --decode ----------------------------------------------------------------------
+
+
+def test_decode_none_skips_decoding_and_a_named_protocol_is_used():
+    assert check(_tiny("stale"), decode="none").decode is None
+    assert check(_tiny("stale"), decode="none").ok
+    report = check(_tiny("stale"), decode="cache")
+    assert report.decode.mistake == "cache_stale" and report.decode.protocol == "cache"
+
+
+@pytest.mark.parametrize(
+    "decode,words",
+    [
+        ("buffers", "reset_kv_cache.*without reset_kv_cache"),
+        ("hf", "past_key_values.*returned no cache"),
+    ],
+)
+def test_a_protocol_that_does_not_fit_is_refused_naming_what_was_expected(decode, words):
+    with pytest.raises(AttnScopeError, match=f"--decode {decode}: expected .*{words}"):
+        check(_tiny(), decode=decode)
+
+
+def test_decode_is_refused_for_one_layer_and_for_an_unknown_value():
+    layer = f"{GALLERY / 'correct' / 'mha_book.py'}:MultiHeadAttention"
+    with pytest.raises(AttnScopeError, match="expected a whole model"):
+        check(layer, decode="cache")
+    assert check(layer, decode="none").ok
+    with pytest.raises(AttnScopeError, match="expected one of hf, buffers, cache, none"):
+        check(_tiny(), decode="kv")
+
+
+def test_cli_decode(capsys):
+    target = f"{ROOT / 'tests' / 'test_check_decode.py'}:_stale"
+    assert main(["check", target, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["decode"]["mistake"] == "cache_stale"
+    assert main(["check", target, "--json", "--decode", "none"]) == 0
+    assert json.loads(capsys.readouterr().out)["decode"] is None
+    assert main(["check", target, "--json", "--decode", "buffers"]) == 2
+    captured = capsys.readouterr()
+    error = json.loads(captured.out)["error"]["message"]
+    assert "--decode buffers: expected" in error and "reset_kv_cache" in error
+    assert "--decode buffers: expected" in captured.err
+    assert main(["check", target, "--decode", "kv"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+_stale = _tiny("stale")
+
+
+# --- the classifier names each code from evidence ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,code,step,layer",
+    [
+        ("buggy_cache_positions_heads_axis", "cache_positions", 0, "layers.0.self_attn"),
+        ("buggy_cache_stale_updated_twice", "cache_stale", 0, "blocks.0.attn"),
+        ("buggy_cache_mask_first_rows", "cache_mask", 0, "trf_blocks.0.att"),
+        ("buggy_cache_other_cat_heads", "cache_other", 0, None),
+        ("buggy_cache_mask_whole_buffer", "cache_mask", 0, "layers.0.attention"),
+    ],
+)
+def test_the_gallery_decode_bugs_are_named_from_evidence(name, code, step, layer):
+    report = check(_gallery(name))
+    d = report.decode
+    assert all(r.ok for _, r in report.layers)
+    assert (d.mistake, d.step, d.layer) == (code, step, layer), d.message
+    assert d.location and d.location.split(":")[0].endswith(f"{name}.py")
+
+
+def test_the_prompt_cached_twice_is_stale_not_mask():
+    """The known weakness: the prompt's keys and values held twice diverge at step 0 with
+    the same input, which reads like a mask; the keys held say it is the cache."""
+    d = check(_gallery("buggy_cache_stale_updated_twice")).decode
+    assert d.mistake == "cache_stale" and "held twice" in d.message
+    assert "0, 1, 2, 3, 4" in d.message
+
+
+class PastOnly(nn.Module):
+    """A hand-written Hugging Face-style model without use_cache: it always returns its
+    presents, and takes them back as past_key_values."""
+
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, context=64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(_Attention(d, heads, None) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, past_key_values=None):
+        n = input_ids.shape[1]
+        start = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        x = self.tok(input_ids) + self.pos(torch.arange(start, start + n))
+        presents = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, None if past_key_values is None else past_key_values[i])
+            presents.append(kv)
+        return self.head(x), presents
+
+
+def test_past_key_values_without_use_cache_is_the_hf_protocol():
+    def make():
+        torch.manual_seed(0)
+        return PastOnly()
+
+    report = check(make)
+    assert report.ok and report.decode.ok and report.decode.protocol == "hf"
+    with pytest.raises(AttnScopeError, match="--decode buffers: expected"):
+        check(make, decode="buffers")
+
+
+@pytest.mark.parametrize(
+    "bug,words",
+    [
+        ("twice", "token(s) 0, 1, 2, 3, 4 are held twice"),
+        ("stale", "token(s) 5 are missing"),
+        ("empty", "3 empty slots of the cache are not masked"),
+        ("mask", "its own key and value alone, none of the cached ones (which the step reads)"),
+        ("never", "the step reads no cache of the 5 tokens before it (the cache not updated)"),
+    ],
+)
+def test_the_evidence_is_in_the_message(bug, words):
+    d = check(_tiny(bug)).decode
+    assert words in d.message, d.message
+
+
+def test_a_preallocated_cache_seen_whole_is_a_mask_that_shows_too_many():
+    d = check(_gallery("buggy_cache_mask_whole_buffer")).decode
+    assert d.mistake == "cache_mask" and "sees too many" in d.message
+    assert "19 empty slots and 7 slots of later tokens" in d.message
+
+
+def _gallery_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_decode_{name}", MODELS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # the probe reads a class's module from sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_query_rotated_for_another_position_is_cache_positions():
+    """Keys (and values) cached right, and the new token's query alone rotated one position
+    behind: the query held against the full pass's says it is the position, not the mask."""
+    hf = _gallery_module("correct_hf_style_tuple")
+
+    class QueryBehind(hf.Attention):
+        def forward(self, hidden_states, cos, sin, past=None):
+            if past is None:
+                return super().forward(hidden_states, cos, sin, past)
+            b, n, d = hidden_states.shape
+            shape = (b, n, self.heads, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            behind = torch.arange(past[0].shape[2] - 1, past[0].shape[2] - 1 + n)
+            cq, sq = hf.rope_tables(self.head_dim, behind)
+            q = q * cq + hf.rotate_half(q) * sq
+            k = k * cos + hf.rotate_half(k) * sin
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(b, n, d)), (k, v)
+
+    def make():
+        model = hf.make_model()
+        for layer in model.layers:
+            layer.self_attn.__class__ = QueryBehind
+        return model
+
+    report = check(make)
+    assert all(r.ok for _, r in report.layers)
+    d = report.decode
+    assert (d.mistake, d.step, d.layer) == ("cache_positions", 0, "layers.0.self_attn"), d.message
+    assert "query" in d.message
+
+
+def test_a_forward_in_inference_mode_is_checked_without_it():
+    """Meta's forward is decorated with torch.inference_mode, whose tensors cannot be
+    recorded: it runs without, and the report says so."""
+    report = check(_gallery("correct_meta_style_start_pos"))
+    assert report.ok and report.decode.ok
+    assert any("torch.inference_mode" in n for n in report.notes)
+
+
+class DictOut(PastOnly):
+    """Returns a plain dict: {"logits": ..., "presents": ...}."""
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
+        logits, presents = super().forward(input_ids, past_key_values)
+        return {"logits": logits, "presents": presents if use_cache else None}
+
+
+def test_a_model_returning_a_dict_decodes():
+    def make():
+        torch.manual_seed(0)
+        return DictOut()
+
+    report = check(make)
+    assert report.ok and report.decode.ok and report.decode.protocol == "hf", report.decode
+
+
+def test_keys_cached_as_values_are_cache_other():
+    """A copy-paste slip stores the keys twice, (k, k): the cached values are no token's
+    value in the full pass, whatever the mask does: cache_other, with the evidence."""
+
+    class KeysTwice(_Attention):
+        def forward(self, x, cache=None):
+            out, (k, v) = super().forward(x, cache)
+            return out, (k, k)
+
+    def make():
+        torch.manual_seed(0)
+        model = TinyGPT()
+        for block in model.blocks:
+            block.__class__ = KeysTwice
+        return model
+
+    d = check(make).decode
+    assert (d.mistake, d.step, d.layer) == ("cache_other", 0, "blocks.0"), d.message
+    assert "no token's value in the full pass" in d.message
+
+
+def test_the_text_report_says_how_it_decoded_and_where_to_look():
+    text = check(_gallery("buggy_cache_mask_first_rows")).to_text(color=False)
+    assert "decoding with its cache (buffers): FAIL  cache_mask at step 0" in text
+    lines = text.splitlines()
+    assert any(x.startswith("  at ") and "buggy_cache_mask_first_rows.py:" in x for x in lines)
+    ok = check(_gallery("correct_hf_style_tuple")).to_text(color=False)
+    assert "decoding with its cache (hf): pass  8 cached steps equal the full pass" in ok

@@ -5,12 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import GALLERY, expectations, outcome, target_of, wanted
+from conftest import (
+    GALLERY,
+    expectations,
+    is_model,
+    model_outcome,
+    model_wanted,
+    outcome,
+    target_of,
+    wanted,
+)
 
-from attnscope import check
+from attnscope import ModelReport, check
 from attnscope.checking import MISTAKES
+from attnscope.testing import AttentionMismatch, assert_attention
 
-CASES = expectations(GALLERY)
+CASES = [(p, e) for p, e in expectations(GALLERY) if not is_model(e)]
+MODELS = [(p, e) for p, e in expectations(GALLERY) if is_model(e)]
 
 
 def test_gallery_covers_every_mistake_code():
@@ -73,3 +84,51 @@ def test_failure_points_at_the_users_line():
     line = int(line)
     source = path.read_text().splitlines()[line - 1]
     assert "softmax" in source
+
+
+# --- whole models ---------------------------------------------------------------------------
+
+
+def test_gallery_has_models_for_each_decode_code_and_a_later_layer_bug():
+    decodes = set()
+    for _, e in MODELS:
+        d = e.get("decode")
+        decodes.add(d["mistake"] if isinstance(d, dict) else d)
+    assert {"ok", "cache_positions", "cache_stale", "cache_mask", "cache_other"} <= decodes
+    assert any(e.get("layer") and not e["layer"].endswith(".0.attn") for _, e in MODELS)
+    assert any(e.get("ok") for _, e in MODELS)
+
+
+@pytest.mark.parametrize("path,expect", MODELS, ids=[p.stem for p, _ in MODELS])
+def test_gallery_model(path, expect, report_schema):
+    """A model: every attention layer checked where it sits (the first failing one named
+    with its stage and mistake), and decoding with its cache (the code, step and layer);
+    the report follows the contract."""
+    import jsonschema
+
+    report = check(target_of(path, expect), init=expect.get("init"))
+    assert isinstance(report, ModelReport)
+    jsonschema.validate(report.to_dict(), report_schema)
+    assert model_outcome(report, expect) == model_wanted(expect), report.to_text(color=False)
+    if report.decode is not None and not report.decode.ok:
+        assert report.decode.location, report.decode.message
+
+
+def test_assert_attention_names_the_failing_layer_of_a_model():
+    """assert_attention on a whole model whose last layer (2) is wrong: an AssertionError
+    whose text names the layer, the stage and the mistake."""
+    path = GALLERY / "models" / "buggy_last_layer_wrong_scale.py"
+    with pytest.raises(AssertionError, match="blocks.2.attn") as info:
+        assert_attention(f"{path}:make_model")
+    assert isinstance(info.value, AttentionMismatch)
+    assert "first failing layer: blocks.2.attn" in str(info.value)
+    assert "wrong_scale" in str(info.value)
+    assert info.value.report.first_layer == "blocks.2.attn"
+    assert assert_attention(f"{GALLERY / 'models' / 'correct_gpt_external_cache.py'}:make_model")
+
+
+def test_assert_attention_fails_on_a_decoding_bug_alone():
+    path = GALLERY / "models" / "buggy_cache_stale_updated_twice.py"
+    with pytest.raises(AttentionMismatch, match="cache_stale"):
+        assert_attention(f"{path}:make_model")
+    assert assert_attention(f"{path}:make_model", decode="none").ok

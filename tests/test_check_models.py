@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from attnscope import ModelReport, check
+from attnscope import AttnScopeError, ModelReport, check
 from attnscope.cli import main
 from attnscope.testing import AttentionMismatch, assert_attention
 
@@ -137,3 +137,17 @@ def test_a_hugging_face_model_class_is_built_small_from_its_config_defaults():
     report = check("transformers.models.llama.modeling_llama:LlamaModel")
     assert report.ok and len(report.layers) == 2
     assert any("made small" in n and "--init" in n for n in report.notes)
+
+
+def test_decode_asked_of_a_bidirectional_model_is_refused():
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=64,
+    )
+    with pytest.raises(AttnScopeError, match="--decode hf: expected"):
+        check(lambda: transformers.BertModel(cfg), decode="hf")
+    report = check(lambda: transformers.BertModel(cfg), decode="none")
+    assert report.ok and report.decode is None

@@ -413,6 +413,7 @@ def test_check_prints_the_report_and_exits_0_or_1(capsys, monkeypatch, ok):
         "timeout": 2.5,
         "weights": {"query": "W_q", "key": "W_k"},
         "tokens": None,
+        "decode": None,
     }
     assert "mine.py:Attn" in out
     assert ("missing_scale" in out) is (not ok)

@@ -251,3 +251,25 @@ def test_report_of_the_real_checker():
     assert "missing_scale" in failure and "test_html.py:" in failure
     assert failure.count('<table class="matrix">') == 3  # reference, yours, difference
     assert 'class="heatmap"' in failure
+
+
+def test_model_report_grid_has_a_decoding_column():
+    """Per layer: pass, the first diverging step with its code, or not reached; the
+    decoding failure's message and line below the grid."""
+    from conftest import GALLERY
+
+    from attnscope import check
+
+    models = GALLERY / "models"
+    page = check(f"{models / 'buggy_cache_stale_updated_twice.py'}:make_model").to_html()
+    assert '<th class="decode">decoding</th>' in page
+    assert page.count('<td class="decode') == 3
+    assert "✗ step 0</span> <code>cache_stale</code>" in page
+    assert page.count("not reached") == 2
+    assert 'id="decode"' in page and "held twice" in page
+    assert "FAILED in decoding (cache_stale at step 0)" in page and "None" not in page
+    assert "buggy_cache_stale_updated_twice.py:" in page
+    ok = check(f"{models / 'correct_gpt_external_cache.py'}:make_model").to_html()
+    assert ok.count('<td class="decode"') == 3 and "8 cached steps equal the full pass" in ok
+    later_layer = check(f"{GALLERY / 'models' / 'buggy_last_layer_wrong_scale.py'}:make_model")
+    assert "First failing layer" in later_layer.to_html() and "decoding" in later_layer.to_html()

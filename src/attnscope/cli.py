@@ -342,6 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="probe length (default: a small length unlike every other size)",
     )
+    check.add_argument(
+        "--decode",
+        choices=("hf", "buffers", "cache", "none"),
+        help="a whole model: how to drive its key/value cache for the decoding check: hf "
+        "(use_cache and past_key_values), buffers (use_cache and reset_kv_cache(), the cache "
+        "kept in the model), cache (a KVCache passed as cache=), none (skip it); default: "
+        "read from the model's forward",
+    )
     check.add_argument("--html", metavar="FILE", help="also write an HTML report")
     _add_force(check)
     check.set_defaults(func=_cmd_check)
@@ -579,6 +587,7 @@ def _cmd_check(args) -> int:
                 timeout=args.timeout,
                 weights=weights,
                 tokens=args.tokens,
+                decode=args.decode,
             )
     except AttnScopeError as exc:
         if args.json:  # exit 2 still prints one object: the contract's error report

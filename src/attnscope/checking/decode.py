@@ -6,34 +6,53 @@ attention layer's output for the new token must equal the full pass over the sam
 the first layer that differ are the failure, named from what the evidence shows:
 
 - ``cache_positions``: the new token reaches the first layer otherwise than in the full pass
-  (its learned position embedding not offset by the cache length), or the layer is handed
-  other rotary tables for it;
-- ``cache_mask``: the first step already differs with the same inputs: the new token does
-  not see the cached keys as it should;
-- ``cache_stale``: the first step is right and a later one is not: the cache was not
-  updated (or updated twice) after a step;
-- ``cache_other``: anything else, a decoding step that raises included.
+  (its learned position embedding not offset by the cache length), the layer is handed
+  other rotary tables for it, or its query, or its key (among cached keys that are right),
+  is not the full pass's for its position;
+- ``cache_stale``: what the step attends over holds some token twice, or lacks one, or the
+  step reads no cache at all (the cache updated twice, or not updated); or, without that
+  evidence, the first step is right and a later one is not;
+- ``cache_mask``: the keys and values the step attends over are the full pass's and its
+  output is not; or slots beyond the token (empty, or left over) are seen; or the new token
+  sees its own key alone while the step reads a cache of the tokens before it;
+- ``cache_other``: anything else: cached values that are no token's value in the full
+  pass, a decoding step that raises (with its line).
 
-Driven the way the model is meant to be: Hugging Face models with ``use_cache`` and
-``past_key_values``; the book's KV-cache models with ``use_cache=True`` and a ``cache=`` it
-fills (``llms_from_scratch.kv_cache``), its position counter reset first.
+The evidence (:class:`_Evidence`): where the first diverging layer gets the same input as in
+the full pass, the operands of its scores and context products (or of its fused call) are
+read from a recorded second run of the full pass and of the decoding up to that step, and
+held against each other token by token.
+
+Driven by protocol (:data:`PROTOCOLS`, ``--decode``), read from the forward's parameters and
+the model's methods, never from the package it comes from: ``hf`` (``past_key_values`` or
+``cache`` handed back, Hugging Face's or a model written that way, returning an output
+object or a tuple), ``buffers`` (``use_cache`` and ``reset_kv_cache()``, the cache kept in
+the model), ``cache`` (a KVCache passed in, the book's ``llms_from_scratch`` protocol).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..errors import AttnScopeError
 from .compare import close
 from .probe import first_tensor
-from .record import short_path
+from .record import Op, Recorder, short_path
 
-__all__ = ["Decode", "check_decoding"]
+__all__ = ["Decode", "KVCache", "PROTOCOLS", "check_decoding", "decode_protocol", "make_cache"]
 
 PROMPT, STEPS = 5, 8
+
+#: the parameter a forward takes the position of its first token by, where the caller keeps
+#: it (Meta's Llama: ``forward(tokens, start_pos)``, the cache in the layers' buffers)
+START = "start_pos"
 
 
 @dataclass
@@ -46,6 +65,10 @@ class Decode:
     layer: str | None = None
     mistake: str | None = None
     message: str = ""
+    #: how the cache was driven: ``hf``, ``buffers`` or ``cache`` (see :data:`PROTOCOLS`)
+    protocol: str | None = None
+    #: ``file:line`` of the model's code to look at, when known (not in the JSON contract)
+    location: str | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -65,80 +88,284 @@ def _params(model: nn.Module) -> set[str]:
         return set()
 
 
-class _Driver:
-    """How to run one model with and without its cache."""
+#: how a model's cache is driven (``--decode``); ``none`` skips decoding
+PROTOCOLS = ("hf", "buffers", "cache", "none")
 
-    def __init__(self, model: nn.Module, layers: int):
-        self.model, self.layers = model, layers
-        names = _params(model)
-        # Hugging Face: the cache argument is past_key_values (cache from transformers 5)
-        self.hf = type(model).__module__.startswith("transformers") and "use_cache" in names
-        self.cache_arg = "past_key_values" if "past_key_values" in names else "cache"
-        self.hf = self.hf and self.cache_arg in names
-        # the book's KV-cache models: cache= (and use_cache=True for its GPT-2 variant)
-        self.book = (
-            not self.hf
-            and "cache" in names
-            and ("use_cache" in names or callable(getattr(model, "reset_kv_cache", None)))
+#: what each protocol expects of the model, for the error when it does not fit
+EXPECTED = {
+    "hf": "a model whose forward takes past_key_values (or cache, as from transformers 5), "
+    "use_cache where it has one, and returns the cache it filled (Hugging Face's protocol; "
+    "an output object or a tuple)",
+    "buffers": "a model whose forward takes use_cache, with a reset_kv_cache() method, or "
+    "start_pos, and no cache argument (the cache held in the model's buffers, as in the "
+    "book's chapter-style models or Meta's Llama)",
+    "cache": "a model whose forward takes cache= (a KVCache with get and update, one slot "
+    "per layer, as the book's llms_from_scratch models take)",
+}
+
+#: the parameters a Hugging Face-style forward is handed back the cache it returned by
+_PAST = ("past_key_values", "past_kv", "past")
+#: cache parameters of both kinds: Hugging Face's (transformers 5) where a call returns the
+#: cache, else a KVCache object the model fills (the book's)
+_CACHE = ("cache", "kv_cache")
+#: the methods that empty a cache kept in the model
+_RESETS = ("reset_kv_cache", "reset_cache", "clear_kv_cache", "clear_cache")
+
+
+def _first(names: set[str], among: tuple[str, ...]) -> str | None:
+    return next((n for n in among if n in names), None)
+
+
+def _reset_method(model: nn.Module):
+    return next((getattr(model, n) for n in _RESETS if callable(getattr(model, n, None))), None)
+
+
+def _fits(model: nn.Module, protocol: str, ids: torch.Tensor | None = None) -> bool:
+    names = _params(model)
+    if protocol == "hf":
+        if _first(names, _PAST):
+            return True
+        # cache= is the book's protocol too: Hugging Face's returns the cache it filled
+        return _first(names, _CACHE) is not None and (ids is None or _returns_cache(model, ids))
+    if protocol == "buffers":
+        return _first(names, _PAST + _CACHE) is None and (
+            ("use_cache" in names and _reset_method(model) is not None) or START in names
         )
-        self.book_flag = {"use_cache": True} if "use_cache" in names else {}
-        self._cache = None
+    if protocol == "cache":
+        return _first(names, _CACHE) is not None
+    return protocol == "none"
 
-    @property
-    def usable(self) -> bool:
-        return self.hf or self.book
+
+def decode_protocol(
+    model: nn.Module, asked: str | None = None, ids: torch.Tensor | None = None
+) -> str | None:
+    """The protocol to drive ``model``'s cache with: ``asked`` when it fits (an
+    :class:`AttnScopeError` naming what was expected when it does not), else the first that
+    fits, read from the forward's parameters and the model's methods (not from where the
+    class comes from); None when none does. A forward taking ``cache`` is Hugging Face's
+    (transformers 5) when a call on ``ids`` returns a cache, the book's otherwise."""
+    if asked is not None:
+        if asked not in PROTOCOLS:
+            raise AttnScopeError(f"--decode: expected one of {', '.join(PROTOCOLS)}, got {asked!r}")
+        if not _fits(model, asked, ids):
+            names = _params(model)
+            params = ", ".join(sorted(names)) or "nothing readable"
+            if asked == "hf" and _first(names, _CACHE):
+                more = ", and a call of it returned no cache"
+            elif asked == "buffers":
+                more = ", with" + ("" if _reset_method(model) else "out") + " reset_kv_cache()"
+            else:
+                more = ""
+            raise AttnScopeError(
+                f"--decode {asked}: expected {EXPECTED[asked]}; {type(model).__name__}'s "
+                f"forward takes ({params}){more}"
+            )
+        return asked
+    names = _params(model)
+    if _first(names, _PAST):
+        return "hf"
+    if _first(names, _CACHE):
+        if ids is not None and _returns_cache(model, ids):
+            return "hf"
+        if (
+            "use_cache" in names
+            or _reset_method(model) is not None
+            or _cache_class(model) is not None
+        ):
+            return "cache"
+    if _fits(model, "buffers"):
+        return "buffers"
+    return None
+
+
+def _returns_cache(model: nn.Module, ids: torch.Tensor) -> bool:
+    flag = {"use_cache": True} if "use_cache" in _params(model) else {}
+    try:
+        with torch.no_grad():
+            out = model(ids, **flag)
+    except Exception:  # noqa: BLE001  (it wants its cache passed in: not Hugging Face's)
+        return False
+    finally:
+        _Driver(model, 0, "cache")._reset()
+    return _returned_cache(out) is not None
+
+
+class _Driver:
+    """How to run one model with and without its cache, by ``protocol`` (``use_cache``
+    passed where the forward takes it):
+
+    - ``hf``: ``model(ids, use_cache=False)``; the prompt with ``use_cache=True``, each step
+      with ``past_key_values=`` (or ``cache=``) the cache the previous call returned;
+    - ``buffers``: ``reset_kv_cache()`` then ``model(ids)``; the prompt after a reset and
+      each step with ``use_cache=True``, the model keeping its cache and position itself
+      (or handed the position as ``start_pos=``, Meta's Llama);
+    - ``cache``: a KVCache made for the model (see :func:`make_cache`) passed as ``cache=``,
+      the position counter reset first.
+    """
+
+    def __init__(self, model: nn.Module, layers: int, protocol: str):
+        self.model, self.layers, self.protocol = model, layers, protocol
+        names = _params(model)
+        takes = "use_cache" in names
+        self.on = {"use_cache": True} if takes else {}
+        self.off = {"use_cache": False} if takes else {}
+        self.param = _first(names, _PAST + _CACHE if protocol == "hf" else _CACHE)
+        self.start_pos = START in names and protocol == "buffers"
+        self._cache = None
+        self._pos = 0
+
+    def _at(self, ids: torch.Tensor, pos: int) -> dict:
+        """``start_pos=pos`` where the caller keeps the position, and the position moved on."""
+        self._pos = pos + ids.shape[1]
+        return {START: pos} if self.start_pos else {}
 
     def full(self, ids: torch.Tensor):
-        if self.hf:
-            return self.model(ids, use_cache=False)
+        if self.protocol == "hf":
+            return self.model(ids, **self.off)
         self._reset()
-        return self.model(ids)
+        return self.model(ids, **self._at(ids, 0))
 
     def start(self, ids: torch.Tensor):
-        if self.hf:
-            out = self.model(ids, use_cache=True)
+        if self.protocol == "hf":
+            out = self.model(ids, **self.on)
             self._cache = _returned_cache(out)
+            if self._cache is None:
+                raise _NoCache("the prompt with use_cache=True returned no cache")
             return out
         self._reset()
-        self._cache = _book_cache(self.model, self.layers)
-        return self.model(ids, cache=self._cache, **self.book_flag)
+        if self.protocol == "buffers":
+            return self.model(ids, **self.on, **self._at(ids, 0))
+        self._cache = make_cache(self.model, self.layers)
+        return self.model(ids, **{self.param: self._cache}, **self.on)
 
     def step(self, ids: torch.Tensor):
-        if self.hf:
-            out = self.model(ids, use_cache=True, **{self.cache_arg: self._cache})
+        if self.protocol == "hf":
+            out = self.model(ids, **{self.param: self._cache}, **self.on)
             self._cache = _returned_cache(out)
+            if self._cache is None:
+                raise _NoCache("a step with use_cache=True returned no cache")
             return out
-        return self.model(ids, cache=self._cache, **self.book_flag)
+        if self.protocol == "buffers":
+            return self.model(ids, **self.on, **self._at(ids, self._pos))
+        return self.model(ids, **{self.param: self._cache}, **self.on)
 
     def _reset(self) -> None:
-        reset = getattr(self.model, "reset_kv_cache", None)
-        if callable(reset):
+        reset = _reset_method(self.model)
+        if reset is not None:
             reset()
         if hasattr(self.model, "current_pos"):
             self.model.current_pos = 0
 
 
+class _NoCache(RuntimeError):
+    """A Hugging Face-style call that returned no cache to pass back."""
+
+
 def _returned_cache(out):
-    for name in ("past_key_values", "cache"):
-        cache = getattr(out, name, None)
+    """The cache a Hugging Face-style call returned: ``past_key_values`` (or ``presents``,
+    ...) of an output object or a dict, or, from a tuple (``return_dict=False``, or a model
+    written by hand), the first item after the output that is not a tensor."""
+    for name in ("cache", "past_key_values", "presents", "past_kv", "past", "kv_cache"):
+        cache = out.get(name) if isinstance(out, Mapping) else getattr(out, name, None)
         if cache is not None:
             return cache
+    if isinstance(out, (tuple, list)):
+        for item in out[1:]:
+            if item is not None and not isinstance(item, torch.Tensor):
+                return item
     return None
 
 
-def _book_cache(model: nn.Module, layers: int):
-    """The book's external ``KVCache``, one slot per attention layer the model runs."""
-    from llms_from_scratch.kv_cache.utils import KVCache
+def _cache_like(obj) -> bool:
+    """A class with ``get`` and ``update`` made from a layer count alone."""
+    if (
+        not isinstance(obj, type)
+        or issubclass(obj, (Mapping, nn.Module))
+        or not all(callable(getattr(obj, m, None)) for m in ("get", "update"))
+    ):
+        return False
+    try:
+        params = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    required = [
+        p
+        for p in params
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    return len(required) <= 1 and bool(params)
 
+
+def _cache_class(model: nn.Module) -> type | None:
+    """The KVCache class the model comes with: one on the model's class, or one its module
+    defines or imports (a class named for a cache, with ``get`` and ``update``, made from a
+    layer count alone). Nothing is imported to find it."""
+    for name in dir(type(model)):
+        if "cache" in name.lower() and _cache_like(getattr(type(model), name, None)):
+            return getattr(type(model), name)
+    module = sys.modules.get(type(model).__module__)
+    names = dict(vars(module)) if module is not None else {}
+    names.update(getattr(type(model).forward, "__globals__", {}))
+    found = [v for v in names.values() if _cache_like(v) and "cache" in v.__name__.lower()]
+    return found[0] if found else None
+
+
+class KVCache:
+    """The book's ``KVCache`` interface, for a model that takes ``cache=`` and comes with no
+    cache class of its own: one slot per layer, ``get``, ``update``, ``get_all``, ``reset``;
+    also indexed like the list of per-layer slots it holds."""
+
+    def __init__(self, n_layers: int):
+        self.cache = [None] * n_layers
+
+    def get(self, layer_idx: int):
+        return self.cache[layer_idx]
+
+    def update(self, layer_idx: int, value) -> None:
+        self.cache[layer_idx] = value
+
+    def get_all(self) -> list:
+        return self.cache
+
+    def reset(self) -> None:
+        self.cache = [None] * len(self.cache)
+
+    def __getitem__(self, layer_idx: int):
+        return self.cache[layer_idx]
+
+    def __setitem__(self, layer_idx: int, value) -> None:
+        self.cache[layer_idx] = value
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+
+def make_cache(model: nn.Module, layers: int):
+    """A cache for a model that takes ``cache=``: the class it comes with (its own, or its
+    module's); the book's ``llms_from_scratch`` KVCache for a model from that package; else
+    :class:`KVCache` (the same interface). Sized by the model's ``cfg["n_layers"]`` where it
+    has one, else by the attention layers it runs."""
+    cls = _cache_class(model)
+    if cls is None and type(model).__module__.startswith("llms_from_scratch"):
+        try:
+            from llms_from_scratch.kv_cache.utils import KVCache as cls  # noqa: N813
+        except ImportError:
+            cls = None
+    cls = cls or KVCache
     cfg = getattr(model, "cfg", None)
-    if isinstance(cfg, dict) and "n_layers" in cfg:
-        return KVCache(n_layers=cfg["n_layers"])
-    return KVCache(n_layers=layers)
+    n = cfg["n_layers"] if isinstance(cfg, dict) and "n_layers" in cfg else layers
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "n_layers" in params:
+        return cls(n_layers=n)
+    return cls(n) if params else cls()
 
 
 def _output(result) -> torch.Tensor:
     for name in ("logits", "last_hidden_state"):
-        t = getattr(result, name, None)
+        t = result.get(name) if isinstance(result, Mapping) else getattr(result, name, None)
         if isinstance(t, torch.Tensor):
             return t
     return first_tensor(result)
@@ -178,15 +405,25 @@ class _Taps:
 def _raised(exc: BaseException) -> str:
     """``TypeError: ... (at file:line)``: the exception and the innermost line of the model's
     own code (not torch's) it came from."""
+    where = _raised_at(exc)
+    text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return text + (f" (at {where})" if where else "")
+
+
+def _raised_at(exc: BaseException) -> str | None:
+    """The innermost line of the model's own code an exception came from."""
     where = None
     tb = exc.__traceback__
     while tb is not None:
         path = tb.tb_frame.f_code.co_filename
-        if "/torch/" not in path and "attnscope" not in path:
+        if not path.startswith((_TORCH_DIR, _OWN_DIR)):
             where = f"{short_path(path)}:{tb.tb_lineno}"
         tb = tb.tb_next
-    text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return text + (f" (at {where})" if where else "")
+    return where
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -204,20 +441,39 @@ def _rotary(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def check_decoding(
-    model: nn.Module, layers: list[tuple[str, nn.Module]], ids: torch.Tensor
+    model: nn.Module,
+    layers: list[tuple[str, nn.Module]],
+    ids: torch.Tensor,
+    protocol: str | None = None,
 ) -> Decode | None:
     """Cached decoding of ``ids`` ``(B, PROMPT + STEPS)`` against the full pass, or None where
-    the model has no cache the checker knows how to drive."""
-    drive = _Driver(model, len(layers))
-    if not drive.usable:
+    the model has no cache the checker knows how to drive (or ``protocol`` is ``none``)."""
+    protocol = decode_protocol(model, protocol, ids[:, :PROMPT])
+    if protocol in (None, "none"):
         return None
+    drive = _Driver(model, len(layers), protocol)
     with torch.no_grad():
         with _Taps(layers) as full_taps:
-            full = _output(drive.full(ids)).double()
+            try:
+                full = _output(drive.full(ids)).double()
+            except Exception as exc:  # noqa: BLE001
+                return Decode(
+                    False,
+                    STEPS,
+                    0,
+                    None,
+                    "cache_other",
+                    f"the full pass, driven as {protocol!r}, raised {_raised(exc)}",
+                    protocol,
+                    _raised_at(exc),
+                )
+        # a model that returns its last position alone: its layers are held, not its output
+        whole = full.dim() >= 2 and full.shape[1] == ids.shape[1]
         reference = {p: full_taps.seen[p] for p, _ in layers if p in full_taps.seen}
         try:
             drive.start(ids[:, :PROMPT])
         except Exception as exc:  # noqa: BLE001  (the model's own error, reported)
+            where = _raised_at(exc)
             return Decode(
                 False,
                 STEPS,
@@ -225,6 +481,8 @@ def check_decoding(
                 None,
                 "cache_other",
                 f"the prompt with the cache raised {_raised(exc)}",
+                protocol,
+                where,
             )
         for t in range(STEPS):
             pos = PROMPT + t
@@ -233,15 +491,23 @@ def check_decoding(
                     out = _output(drive.step(ids[:, pos : pos + 1])).double()
                 except Exception as exc:  # noqa: BLE001
                     return Decode(
-                        False, STEPS, t, None, "cache_other", f"step {t} raised {_raised(exc)}"
+                        False,
+                        STEPS,
+                        t,
+                        None,
+                        "cache_other",
+                        f"step {t} raised {_raised(exc)}",
+                        protocol,
+                        _raised_at(exc),
                     )
-            for path, _ in layers:
+            for i, (path, _) in enumerate(layers):
                 got, want = taps.seen.get(path), reference.get(path)
                 if got is None or want is None or "out" not in got:
                     continue
                 if close(got["out"][:, -1:].double(), want["out"][:, pos : pos + 1].double()):
                     continue
-                code, why = _name(got, want, pos, t, path == layers[0][0])
+                evidence = _Evidence(model, layers, protocol, ids, path, t)
+                code, why, where = _name(got, want, pos, t, i == 0, evidence)
                 return Decode(
                     False,
                     STEPS,
@@ -250,8 +516,10 @@ def check_decoding(
                     code,
                     f"step {t} (token {pos}), layer {path!r}: its output for the new token "
                     f"differs from the full pass: {why}",
+                    protocol,
+                    where,
                 )
-            if not close(out[:, -1:], full[:, pos : pos + 1]):
+            if whole and not close(out[:, -1:], full[:, pos : pos + 1]):
                 return Decode(
                     False,
                     STEPS,
@@ -260,12 +528,253 @@ def check_decoding(
                     "cache_other",
                     f"step {t} (token {pos}): the model's output differs from the full pass "
                     "while every attention layer's agrees",
+                    protocol,
                 )
-    return Decode(True, STEPS)
+    return Decode(True, STEPS, protocol=protocol)
 
 
-def _name(got: dict, want: dict, pos: int, step: int, first_layer: bool) -> tuple[str, str]:
-    """The mistake the evidence at the first diverging layer shows, and a sentence."""
+class _Evidence:
+    """The keys and values the first diverging layer attends over at the diverging step,
+    against those of the full pass: read from the recorded computation (the operands of its
+    scores and context products, or of its fused attention call) of a second, identical
+    run, made only when a step diverges."""
+
+    def __init__(self, model, layers, protocol, ids, path, step):
+        self.model, self.layers, self.protocol = model, layers, protocol
+        self.ids, self.path, self.step = ids, path, step
+        self._read = False
+        self.full = self.cached = None
+        self.cache_seen = False
+
+    def operands(self):
+        """``((keys, values, where), (keys, values, where))``: full pass, cached step; None
+        where they cannot be read."""
+        if not self._read:
+            self._read = True
+            try:
+                self.full, self.cached = self._record()
+            except Exception:  # noqa: BLE001  (no evidence: the step's rule names it)
+                self.full = self.cached = None
+        if self.full is None or self.cached is None:
+            return None
+        return self.full, self.cached
+
+    def _record(self):
+        drive = _Driver(self.model, len(self.layers), self.protocol)
+        ids = self.ids.clone()
+        rec = Recorder({id(ids): "input:0"}, self.model)
+        with rec:
+            drive.full(ids)
+        full = _layer_operands(rec, self.model, self.path)
+        drive.start(self.ids[:, :PROMPT])
+        for t in range(self.step):
+            drive.step(self.ids[:, PROMPT + t : PROMPT + t + 1])
+        pos = PROMPT + self.step
+        new = self.ids[:, pos : pos + 1].clone()
+        rec = Recorder({id(new): "input:0"}, self.model)
+        with rec:
+            drive.step(new)
+        self.cache_seen = _cache_seen(rec, self.model, pos)
+        return full, _layer_operands(rec, self.model, self.path)
+
+
+def _cache_seen(rec: Recorder, model: nn.Module, cached: int) -> bool:
+    """Whether the step read a cache holding ``cached`` tokens: a tensor made before it
+    (not a parameter) with three axes or more, one of them ``cached`` long."""
+    params = {p.data_ptr() for p in model.parameters()}
+    for op in rec.ops:
+        t = op.output
+        if op.args or not op.name.startswith("input of") or not t.is_floating_point():
+            continue
+        if t.dim() >= 3 and cached in t.shape and t.data_ptr() not in params:
+            return True
+    return False
+
+
+def _layer_operands(rec: Recorder, model: nn.Module, path: str):
+    """The keys and values (as the computation used them) of the first attention core run
+    inside the module ``path``, the lines that made the keys, masked the scores and made
+    the queries, and the queries; None if none is found."""
+    from .structure import _Reader
+
+    cores = _Reader(rec, model)._scan()[0]
+    spans = [c for c in rec.modules if c.path == path]
+    for core in cores:
+        op = core.fused or core.score
+        if op is None or core.v_node is None:
+            continue
+        span = next((c for c in spans if c.start <= op.index < c.end), None)
+        if span is not None:
+            q, k, v = (rec.ops[n] for n in (core.q_node, core.k_node, core.v_node))
+            lines = (k.location, _mask_line(rec, op, span), q.location)
+            return k.output.detach(), v.output.detach(), lines, q.output.detach()
+    return None
+
+
+def _mask_line(rec: Recorder, score: Op, span) -> str | None:
+    """Where the layer masks its scores: the first masking call made from them inside the
+    layer (the fused call itself, or the scores product, where there is none)."""
+    from .features import MASKING_OPS
+
+    if score.name == "scaled_dot_product_attention":
+        return score.location
+    made = {score.index}
+    for op in rec.ops[score.index + 1 : span.end]:
+        if any(a in made for a in op.args):
+            made.add(op.index)
+            if op.name in MASKING_OPS and op.location:
+                return op.location
+    return score.location
+
+
+def _token_axis(step: torch.Tensor, full: torch.Tensor, keys: int | None = None) -> int | None:
+    """The axis of ``step`` that runs over the keys: the one whose size differs from the
+    full pass's; where none does (a preallocated cache as long in both), the last but one,
+    or the last where only it is ``keys`` long (keys transposed for the product)."""
+    if step.dim() != full.dim() or step.dim() < 2:
+        return None
+    differ = [i for i in range(step.dim()) if step.shape[i] != full.shape[i]]
+    if len(differ) > 1:
+        return None
+    if differ:
+        return differ[0]
+    if keys is not None and step.shape[-2] != keys and step.shape[-1] == keys:
+        return step.dim() - 1
+    return step.dim() - 2
+
+
+def _rows(
+    step: torch.Tensor, full: torch.Tensor, pos: int, keys: int | None = None
+) -> list[int | str | None] | None:
+    """For each token row the cached step attends over, the full pass's token it equals
+    (``"empty"`` for a row of zeros, ``"later"`` for a token after ``pos``, None for none);
+    None when the layouts do not match."""
+    axis = _token_axis(step, full, keys)
+    if axis is None:
+        return None
+    s = step.movedim(axis, 0).reshape(step.shape[axis], -1).double()
+    f = full.movedim(axis, 0).reshape(full.shape[axis], -1).double()
+    out: list[int | str | None] = []
+    for row in s:
+        if not bool(row.abs().amax() > 0):
+            out.append("empty")
+            continue
+        j = next((j for j in range(f.shape[0]) if close(row, f[j])), None)
+        out.append("later" if j is not None and j > pos else j)
+    return out
+
+
+def _same_query(step: torch.Tensor, full: torch.Tensor, pos: int) -> bool:
+    """Whether the step's query is the full pass's at ``pos`` (True where the layouts do not
+    say: no evidence against it)."""
+    axis = _token_axis(step, full)
+    if axis is None or step.shape[axis] != 1 or full.shape[axis] <= pos:
+        return True
+    return close(step.double(), full.narrow(axis, pos, 1).double())
+
+
+def _tokens(ts) -> str:
+    ts = sorted(set(ts))
+    return ", ".join(map(str, ts[:6])) + (", ..." if len(ts) > 6 else "")
+
+
+def _from_rows(evidence: _Evidence, pos: int, step: int):
+    """``(code, why, where)`` from what the cached step attends over, or None."""
+    got = evidence.operands()
+    if got is None:
+        return None
+    (fk, fv, _, fq), (ck, cv, (k_line, score_line, q_line), cq) = got
+    values = _rows(cv, fv, pos)
+    if values is None:
+        return None
+    keys = _rows(ck, fk, pos, len(values))
+    want = list(range(pos + 1))
+    held = [j for j in values if isinstance(j, int)]
+    twice = sorted({j for j in held if held.count(j) > 1})
+    empty = values.count("empty")
+    unknown = values.count(None)
+    if twice:
+        return (
+            "cache_stale",
+            f"it attends over {len(values)} keys and values for {pos + 1} tokens: "
+            f"those of token(s) {_tokens(twice)} are held twice (the cache updated twice)",
+            k_line,
+        )
+    missing = [j for j in want if j not in held]
+    if unknown:
+        return (
+            "cache_other",
+            f"{unknown} of the {len(values)} values it attends over are no token's value in "
+            "the full pass: the cache holds something else (another layout, precision or "
+            "sequence?)",
+            k_line,
+        )
+    if missing and held == [pos] and evidence.cache_seen:
+        return (
+            "cache_mask",
+            "the new token sees its own key and value alone, none of the cached ones "
+            "(which the step reads)",
+            score_line,
+        )
+    if missing and held == [pos]:
+        return (
+            "cache_stale",
+            f"the new token sees its own key and value alone: the step reads no cache of "
+            f"the {pos} tokens before it (the cache not updated)",
+            k_line,
+        )
+    if missing:
+        return (
+            "cache_stale",
+            f"the keys and values of token(s) {_tokens(missing)} are missing from what it "
+            "attends over (the cache not updated with them)",
+            k_line,
+        )
+    # the values held are exactly the full pass's: the keys, then the mask
+    if not _same_query(cq, fq, pos):
+        return (
+            "cache_positions",
+            f"the keys and values it attends over are right and the new token's query is not "
+            f"the full pass's query for position {pos} (rotated for another position?)",
+            q_line,
+        )
+    if keys is not None and keys.count(None):
+        cached_ok = all(j is not None for j, v in zip(keys, values, strict=False) if v != pos)
+        if cached_ok:
+            return (
+                "cache_positions",
+                f"the cached keys are right and the new token's key is not the full pass's "
+                f"key for position {pos} (rotated for another position?)",
+                k_line,
+            )
+        return None
+    later = values.count("later")
+    if empty or later:
+        what = " and ".join(
+            w
+            for w, n in ((f"{empty} empty slots", empty), (f"{later} slots of later tokens", later))
+            if n
+        )
+        return (
+            "cache_mask",
+            f"its keys and values for tokens 0..{pos} are right, and {what} of the cache are "
+            "not masked: the new token sees too many",
+            score_line,
+        )
+    return (
+        "cache_mask",
+        "the keys and values it attends over are the full pass's for tokens 0.."
+        f"{pos}, and its output differs: the mask hides cached keys from the new token (or "
+        "shows it others)",
+        score_line,
+    )
+
+
+def _name(
+    got: dict, want: dict, pos: int, step: int, first_layer: bool, evidence: _Evidence
+) -> tuple[str, str, str | None]:
+    """The mistake the evidence at the first diverging layer shows, a sentence, and the
+    line to look at."""
     g_args, g_kwargs = got["args"]
     w_args, w_kwargs = want["args"]
     h_got, h_want = _hidden(g_args, g_kwargs), _hidden(w_args, w_kwargs)
@@ -279,6 +788,7 @@ def _name(got: dict, want: dict, pos: int, step: int, first_layer: bool) -> tupl
             "cache_positions",
             "the new token reaches the first layer otherwise than in the full pass (its "
             "position embedding not offset by the cache length?)",
+            None,
         )
     r_got, r_want = _rotary(g_kwargs), _rotary(w_kwargs)
     if r_got is not None and r_want is not None:
@@ -287,17 +797,24 @@ def _name(got: dict, want: dict, pos: int, step: int, first_layer: bool) -> tupl
             return (
                 "cache_positions",
                 "the layer is handed rotary tables for another position than the token's",
+                None,
             )
+    if same_input:
+        named = _from_rows(evidence, pos, step)
+        if named is not None:
+            return named
     if same_input and step == 0:
         return (
             "cache_mask",
             "with the same input, the first cached step already differs: the new token does "
             "not see the cached keys as the full pass does",
+            None,
         )
     if same_input:
         return (
             "cache_stale",
             f"steps 0..{step - 1} agree and step {step} does not: the cache was not updated "
             "(or was updated twice) after a step",
+            None,
         )
-    return "cache_other", "its input already differs, and no earlier layer explains it"
+    return "cache_other", "its input already differs, and no earlier layer explains it", None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Iterator
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from ..errors import AttnScopeError, describe
 from ..stages import Dims, Kind, Stage
 from .compare import close, find_stage
+from .decode import PROTOCOLS
 from .judge import Call, Judge
 from .mistakes import MISTAKES, one_query_mutations
 from .model import check_model, token_vocabulary
@@ -41,6 +43,7 @@ def check(
     timeout: float | None = DEFAULT_TIMEOUT,
     weights: dict[str, str] | None = None,
     tokens: int | None = None,
+    decode: str | None = None,
 ) -> CheckReport:
     """Check an attention implementation against the reference, stage by stage.
 
@@ -57,6 +60,11 @@ def check(
         weights: roles to parameter/submodule paths (``{"query": "W_q", ...}``) where the
             weights cannot be found by their names.
         tokens: probe length; by default a small number that differs from every size.
+        decode: a whole model only: how to drive its key/value cache for the decoding
+            check, ``"hf"`` (``use_cache`` and ``past_key_values``), ``"buffers"``
+            (``use_cache`` and ``reset_kv_cache()``, the cache kept in the model),
+            ``"cache"`` (a KVCache passed as ``cache=``), or ``"none"`` to skip it; by
+            default read from the model's forward.
 
     Returns:
         A :class:`CheckReport`; ``report.ok`` is True when every stage matches.
@@ -69,25 +77,31 @@ def check(
         isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2
     ):
         raise AttnScopeError(f"--tokens: expected an integer of at least 2, got {tokens!r}")
+    if decode is not None and decode not in PROTOCOLS:
+        raise AttnScopeError(f"--decode: expected one of {', '.join(PROTOCOLS)}, got {decode!r}")
     timeout = timeout or None
     with _threads(1 if tokens is None or tokens <= _SMALL_PROBE else None):
         tgt = load(target, kind=kind, init=init, seed=seed, tokens=tokens, timeout=timeout)
+        if tgt.is_module:
+            _out_of_inference_mode(tgt)
         try:
             if tgt.is_module:
                 try:
-                    return ModuleProbe(tgt, kind, seed, timeout, weights, tokens).run()
+                    report = ModuleProbe(tgt, kind, seed, timeout, weights, tokens).run()
+                    return _not_decoded(report, tgt, decode)
                 except AttnScopeError as exc:
                     if _a_model(tgt, exc):
-                        return check_model(tgt, seed, timeout, tokens, kind)
+                        return check_model(tgt, seed, timeout, tokens, kind, decode)
                     own = _with_its_defaults(tgt, init, seed, exc)
                     if own is None:
                         raise
                     first = exc
                 try:
-                    return ModuleProbe(own, kind, seed, timeout, weights, tokens).run()
+                    report = ModuleProbe(own, kind, seed, timeout, weights, tokens).run()
                 except AttnScopeError:
                     raise first from None
-            return _FunctionCheck(tgt, kind, seed, timeout).run()
+                return _not_decoded(report, tgt, decode)
+            return _not_decoded(_FunctionCheck(tgt, kind, seed, timeout).run(), tgt, decode)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             if isinstance(exc, AttnScopeError):
                 raise
@@ -97,6 +111,35 @@ def check(
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); naming the weights with "
                 "--weights or the kind with --kind may help, and this is worth reporting"
             ) from exc
+
+
+def _out_of_inference_mode(tgt: Target) -> None:
+    """Forwards decorated with ``torch.inference_mode`` (Meta's Llama) run without it: its
+    tensors keep no version counter, and the record needs one. Said in the notes."""
+    undone = []
+    for path, m in tgt.obj.named_modules():
+        forward = type(m).forward
+        cells = [c.cell_contents for c in getattr(forward, "__closure__", None) or ()]
+        if hasattr(forward, "__wrapped__") and any(
+            isinstance(getattr(c, "__self__", c), torch.inference_mode) for c in cells
+        ):
+            m.forward = types.MethodType(forward.__wrapped__, m)
+            undone.append(path or type(m).__name__)
+    if undone:
+        tgt.notes.append(
+            f"checked without the torch.inference_mode that decorates {', '.join(undone)}'s "
+            "forward (inference tensors cannot be recorded)"
+        )
+
+
+def _not_decoded(report: CheckReport, tgt, decode: str | None) -> CheckReport:
+    """A single layer's report; ``decode`` asks for a whole model's cache, which it has not."""
+    if decode not in (None, "none"):
+        raise AttnScopeError(
+            f"--decode {decode}: expected a whole model (token ids in, its attention layers "
+            f"and their key/value cache); {tgt.text} is one attention layer"
+        )
+    return report
 
 
 def _with_its_defaults(tgt, init, seed: int, exc: AttnScopeError):
@@ -130,7 +173,8 @@ def _a_model(tgt, exc: AttnScopeError) -> bool:
     attention layers in a row, or token ids in (an embedding table first)."""
     if isinstance(exc, SeveralLayers):
         return True
-    return token_vocabulary(tgt.obj) is not None and "raised on every probe" in str(exc)
+    raised = "raised on every probe" in str(exc) or "Every probe raised" in str(exc)
+    return token_vocabulary(tgt.obj) is not None and raised
 
 
 _SMALL_PROBE = 32  # tokens; below this one thread is as fast, and far faster on a busy CPU

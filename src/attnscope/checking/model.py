@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import AttnScopeError
 from ..stages import Kind
-from .decode import PROMPT, STEPS, check_decoding
+from .decode import PROMPT, START, STEPS, check_decoding, decode_protocol
 from .probe import BATCH, ModuleProbe, first_tensor
 from .record import Recorder
 from .report import CheckReport, ModelReport
@@ -57,8 +57,11 @@ class ModelHost:
         """Run the model on ``x`` (ids or vectors): ``(output, None)`` or ``(None, error)``.
 
         Without its key/value cache: the arguments a layer gets are replayed to it many
-        times, and a cache would grow with every replay."""
+        times, and a cache would grow with every replay. A forward that needs the position
+        its tokens start at (Meta's Llama: ``forward(tokens, start_pos)``) gets 0."""
         extra = {"use_cache": False} if _takes(self.model, "use_cache") else {}
+        if _required(self.model, START):
+            extra[START] = 0
         result, err = call_safely(self.model, x, timeout=self.timeout, **extra)
         return (None, err) if err is not None else (first_tensor(result), None)
 
@@ -102,6 +105,15 @@ def _takes(module: nn.Module, name: str) -> bool:
         return False
 
 
+def _required(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward has a parameter ``name`` without a default."""
+    try:
+        p = inspect.signature(module.forward).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return p is not None and p.default is p.empty
+
+
 def _model_width(model: nn.Module) -> int | None:
     for p in model.parameters():
         if p.dim() == 2:
@@ -110,9 +122,16 @@ def _model_width(model: nn.Module) -> int | None:
 
 
 def check_model(
-    tgt: Target, seed: int, timeout: float | None, tokens: int | None, kind=None
+    tgt: Target,
+    seed: int,
+    timeout: float | None,
+    tokens: int | None,
+    kind=None,
+    decode: str | None = None,
 ) -> ModelReport:
-    """Every attention layer of ``tgt.obj``, checked where it sits (see the module doc)."""
+    """Every attention layer of ``tgt.obj``, checked where it sits (see the module doc), and
+    cached decoding against the full pass (``decode``: the protocol, see
+    :data:`.decode.PROTOCOLS`; by default read from the model)."""
     model = tgt.obj
     model.eval()
     vocab = token_vocabulary(model)
@@ -138,11 +157,20 @@ def check_model(
         sub = Target(layer, f"{tgt.text} {path}", "instance")
         report = ModuleProbe(sub, kind, seed, timeout, None, tokens, host=host).run()
         reports.append((path, report))
-    decode = None
+    decoded = None
     causal = all(Kind.of(r.kind).causal for _, r in reports)
-    if vocab is not None and causal:  # a language model: its cache, step by step
+    if decode not in (None, "none"):
+        if vocab is not None:  # raises when it does not fit
+            decode_protocol(model, decode, host.input(BATCH, PROMPT + STEPS)[:, :PROMPT])
+        if vocab is None or not causal:
+            what = "takes vectors, not token ids" if vocab is None else "is not causal"
+            raise AttnScopeError(
+                f"--decode {decode}: expected a causal language model (token ids in); "
+                f"{tgt.text} {what}"
+            )
+    if vocab is not None and causal and decode != "none":  # its cache, step by step
         ids = host.input(BATCH, PROMPT + STEPS)
-        decode = check_decoding(model, list(zip(paths, layers, strict=True)), ids)
-    report = ModelReport.of(tgt.text, reports, decode)
+        decoded = check_decoding(model, list(zip(paths, layers, strict=True)), ids, decode)
+    report = ModelReport.of(tgt.text, reports, decoded)
     report.notes = list(tgt.notes)
     return report

@@ -691,6 +691,46 @@ def check_html(
     return _finish(_page("\n".join(body), title, full_page), path, overwrite)
 
 
+def _decode_cell(report: ModelReport, layer: str) -> str:
+    """A layer's decoding verdict: pass, the first diverging step (its layer), or not
+    reached at that step (a later layer, or a step that raised before any layer)."""
+    d = report.decode
+    if d.ok:
+        return f'<td class="decode" title="{d.steps} cached steps">{_verdict(True)}</td>'
+    order = [p for p, _ in report.layers]
+    if d.layer == layer:
+        return (
+            f'<td class="decode"><span class="fail">✗ step {d.step}</span> '
+            f"<code>{escape(d.mistake or '')}</code></td>"
+        )
+    if d.layer is not None and order.index(layer) < order.index(d.layer):
+        return f'<td class="decode" title="steps 0..{d.step} agree">{_verdict(True)}</td>'
+    before = f"steps 0..{d.step - 1} pass" if d.step else "not reached"
+    return f'<td class="decode note" title="step {d.step} diverged before it">{before}</td>'
+
+
+def _decode_section(d) -> str:
+    """Cached decoding: the verdict, the message, and the line to look at."""
+    protocol = f" (driven as <code>{escape(d.protocol)}</code>)" if d.protocol else ""
+    if d.ok:
+        return (
+            '<section id="decode"><h2>Decoding with its cache</h2>'
+            f"<p>{_verdict(True)} {d.steps} cached steps equal the full pass{protocol}.</p>"
+            "</section>"
+        )
+    where = f" in layer <code>{escape(d.layer)}</code>" if d.layer else ""
+    parts = [
+        '<section class="failure" id="decode">',
+        f"<h2>Decoding with its cache: <code>{escape(d.mistake or '')}</code></h2>",
+        f'<p class="meta">first diverging step {d.step}{where}{protocol}</p>',
+        f'<p class="message">{escape(d.message)}</p>',
+    ]
+    if d.location and d.location not in d.message:
+        parts.append(f'<p class="meta">look at <code>{escape(d.location)}</code></p>')
+    parts.append("</section>")
+    return "".join(parts)
+
+
 @renders(ModelReport, "html")
 def model_html(
     report: ModelReport,
@@ -706,28 +746,34 @@ def model_html(
         full_page = path is not None
     stages = [s for s in Stage if any(c.stage is s for _, r in report.layers for c in r.checks)]
     head = "".join(f"<th><code>{escape(s.value)}</code></th>" for s in stages)
+    d = report.decode
+    if d is not None:
+        head += '<th class="decode">decoding</th>'
     rows = []
     for layer, r in report.layers:
         seen = {c.stage: c.ok for c in r.checks}
         cells = "".join("<td>" + (_verdict(seen[s]) if s in seen else "") + "</td>" for s in stages)
+        if d is not None:
+            cells += _decode_cell(report, layer)
+        css = ' class="failing"' if not r.ok or (d is not None and d.layer == layer) else ""
         rows.append(
-            f"<tr><th><code>{escape(layer)}</code></th><td>{escape(r.kind)}</td>{cells}</tr>"
+            f"<tr{css}><th><code>{escape(layer)}</code></th><td>{escape(r.kind)}</td>{cells}</tr>"
         )
     title = f"attnscope check: {report.target}"
-    verdict = "OK" if report.ok else f"FAILED at {report.first_layer}"
+    if report.ok:
+        verdict = "OK"
+    elif report.first_layer is not None:
+        verdict = f"FAILED at {report.first_layer}"
+    else:  # every layer right: the decoding failed
+        verdict = f"FAILED in decoding ({d.mistake} at step {d.step})"
     body = [
         f"<h1>{escape(title)}</h1>",
         f'<p class="meta">{_verdict(report.ok)} {escape(verdict)} · '
         f"{len(report.layers)} attention layers, in the order the model runs them</p>",
         f"<table><tr><th>layer</th><th>kind</th>{head}</tr>{''.join(rows)}</table>",
     ]
-    d = report.decode
     if d is not None:
-        said = "cached steps equal the full pass" if d.ok else f"{d.mistake} at step {d.step}"
-        body.append(
-            f"<h2>Decoding with its cache</h2><p>{_verdict(d.ok)} {escape(said)}. "
-            f"{escape(d.message)}</p>"
-        )
+        body.append(_decode_section(d))
     failing = next((r for _, r in report.layers if not r.ok), None)
     if failing is not None:
         body.append(

@@ -410,7 +410,10 @@ def model_text(report: ModelReport, color: bool | None = None) -> str:
             if d.ok
             else f"{d.mistake} at step {d.step}: {d.message}"
         )
-        out.line("decoding with its cache: ", (word, style), "  ", what)
+        how = f" ({d.protocol})" if getattr(d, "protocol", None) else ""
+        out.line(f"decoding with its cache{how}: ", (word, style), "  ", what)
+        if not d.ok and d.location and d.location not in d.message:
+            out.line("  at ", (d.location, "cyan"))
     for note in report.notes:
         out.line("note: ", note)
     failing = next((r for _, r in report.layers if not r.ok), None)
