@@ -322,7 +322,7 @@ _stale = _tiny("stale")
         ("buggy_cache_positions_heads_axis", "cache_positions", 0, "layers.0.self_attn"),
         ("buggy_cache_stale_updated_twice", "cache_stale", 0, "blocks.0.attn"),
         ("buggy_cache_mask_first_rows", "cache_mask", 0, "trf_blocks.0.att"),
-        ("buggy_cache_other_cat_heads", "cache_other", 0, None),
+        ("buggy_cache_other_cat_heads", "cache_other", 0, "layers.0.self_attn"),
         ("buggy_cache_mask_whole_buffer", "cache_mask", 0, "layers.0.attention"),
     ],
 )

@@ -17,7 +17,6 @@ _OPEN = {
     "found as attention, so the model passes without it",
     "14_distilbert_packed_heads_split": "a layer whose heads are split wrongly is not found "
     "as attention, and the model is refused",
-    "21_nanogpt_layer_past_cat_axis": "a decoding step that raises names no layer",
 }
 
 

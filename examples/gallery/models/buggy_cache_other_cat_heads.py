@@ -14,7 +14,7 @@ EXPECT = {
     "target": "make_model",
     "kind": "model",
     "ok": False,
-    "decode": {"mistake": "cache_other", "step": 0},
+    "decode": {"mistake": "cache_other", "step": 0, "layer": "layers.0.self_attn"},
 }
 
 

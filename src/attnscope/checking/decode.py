@@ -401,6 +401,14 @@ class _Taps:
 
         return hook
 
+    def unfinished(self) -> str | None:
+        """The attention layer a call raised in: entered and never left (None: the call
+        raised outside every attention layer)."""
+        for path, _ in self.layers:
+            if "args" in self.seen.get(path, {}) and "out" not in self.seen[path]:
+                return path
+        return None
+
 
 def _raised(exc: BaseException) -> str:
     """``TypeError: ... (at file:line)``: the exception and the innermost line of the model's
@@ -461,7 +469,7 @@ def check_decoding(
                     False,
                     STEPS,
                     0,
-                    None,
+                    full_taps.unfinished(),
                     "cache_other",
                     f"the full pass, driven as {protocol!r}, raised {_raised(exc)}",
                     protocol,
@@ -494,7 +502,7 @@ def check_decoding(
                         False,
                         STEPS,
                         t,
-                        None,
+                        taps.unfinished(),
                         "cache_other",
                         f"step {t} raised {_raised(exc)}",
                         protocol,
