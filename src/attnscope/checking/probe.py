@@ -39,7 +39,7 @@ from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
 from .record import Op, Recorder
 from .reference import Spec, Weights, project, split
 from .report import CheckReport, single_head
-from .rotary import Rope, as_heads, read_rope
+from .rotary import Rope, as_heads, fit_tables, read_rope
 from .structure import (
     Structure,
     keys_named_first,
@@ -104,6 +104,25 @@ def rebuild_sdpa(rec: Recorder) -> list[Op]:
 
 def fmt_shape(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def _rotations_on_path(path: list[Op], ref: torch.Tensor, b: int, hd: int) -> list:
+    """Rotations of the projected heads ``ref`` ``(B, H, T, D)`` seen on the way to the
+    scores: tensors between the projection and the scores that are ``ref`` turned (a norm
+    may come after one of them, see :func:`.qknorm.read_side`)."""
+    found = []
+    for op in path:
+        t = op.output
+        if not isinstance(t, torch.Tensor) or t.numel() != ref.numel() or t.dim() < 3:
+            continue
+        for form in as_heads(t.detach().to(torch.float64), b, ref.shape[1], ref.shape[2], hd):
+            tables = fit_tables(ref, form)
+            if tables is not None and tables.turns and tables.is_rotation():
+                found.append(tables)
+                break
+        if len(found) >= 2:
+            break
+    return found
 
 
 class _Captured(BaseException):
@@ -1029,6 +1048,7 @@ class ModuleProbe:
                 widths = {hd, ref.shape[1] * hd}
                 gains = gains_on_path(call.record.ops, graph, path, widths)
             eps = eps_on_path(call.record.ops, path)
+            turned = _rotations_on_path(path, ref, b, hd) if word in st.qk_norm else []
             user = call.record.ops[node].output.detach().to(torch.float64)
             refs = [ref]
             if ref.shape[1] != spec.num_heads:  # keys repeated for the query heads first
@@ -1039,7 +1059,7 @@ class ModuleProbe:
                     side
                     for r in refs
                     for form in as_heads(user, b, r.shape[1], r.shape[2], hd)
-                    if (side := read_side(r, form, gains, eps)) is not None
+                    if (side := read_side(r, form, gains, eps, turned)) is not None
                 ),
                 None,
             )

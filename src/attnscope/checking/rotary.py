@@ -85,12 +85,16 @@ class Rope:
         base = math.exp(-slope)
         return float(f"{base:.3g}")
 
-    def rotate(self, t: T, offset: int = 0, pairing: str | None = None) -> T:
-        """``(..., T, D)`` rotated for positions ``offset..``; ``pairing`` overrides the
-        rotation's pairing (the tables stay laid out for :attr:`pairing`)."""
+    def rotate(
+        self, t: T, offset: int = 0, pairing: str | None = None, positions: T | None = None
+    ) -> T:
+        """``(..., T, D)`` rotated for positions ``offset..`` (or ``positions`` ``(T,)``);
+        ``pairing`` overrides the rotation's pairing (the tables stay laid out for
+        :attr:`pairing`)."""
         freqs = torch.tensor(self.inv_freq, dtype=torch.float64)
         n = t.shape[-2]
-        positions = torch.arange(offset, offset + n, dtype=torch.float64)  # offset may be < 0
+        if positions is None:  # offset may be < 0
+            positions = torch.arange(offset, offset + n, dtype=torch.float64)
         angles = rope_angles(n, freqs, positions=positions)
         if pairing is None or pairing == self.pairing:
             return apply_rope(t, angles, self.pairing)
@@ -154,9 +158,13 @@ class Tables:
 
     pairing: str
     rot: int
-    cos: T  # (T, rot)
-    sin: T  # (T, rot)
+    cos: T  # (T, rot); (B, rot) when ``by_sequence``
+    sin: T  # (T, rot); (B, rot) when ``by_sequence``
     scale: float  # a factor folded into the operand (1 when none)
+    #: one angle per sequence of the batch, the same for all its tokens: the rows of the
+    #: tables were picked by the batch index, not the position (sequence-first code run on
+    #: batch-first tensors); the rows then read as positions 0..B-1
+    by_sequence: bool = False
 
     @property
     def turns(self) -> bool:
@@ -190,6 +198,17 @@ class Tables:
         return torch.allclose(s, s[:, idx], atol=1e-4) and torch.allclose(
             c * c + s * s, torch.ones_like(c), atol=1e-3
         )
+
+    def apply(self, p: T) -> T:
+        """``p`` ``(..., T, D)`` turned by these tables (the rest times the factor)."""
+        part = p[..., : self.rot]
+        cos, sin = self.cos, self.sin
+        if self.by_sequence:  # (B, rot) -> (B, 1, 1, rot): one angle per sequence
+            cos, sin = cos[:, None, None], sin[:, None, None]
+        out = part * cos + pair_rotate(part, self.pairing) * sin
+        if self.rot == p.shape[-1]:
+            return out
+        return torch.cat([out, p[..., self.rot :] * self.scale], dim=-1)
 
     def angles(self, layout: str) -> T:
         """``(T, rot/2)`` the angle of every pair, reading the tables in ``layout``."""
@@ -261,6 +280,16 @@ def fit_tables(p: T, u: T) -> Tables | None:
         cos, sin, resid = _solve(p[..., :rot], pair_rotate(p[..., :rot], pairing), u[..., :rot])
         if resid <= 1e-4:
             fits.append(Tables(pairing, rot, cos, sin, 1.0))
+    if not fits and p.shape[0] > 2 and p.shape[-2] > 1:
+        # one angle per (sequence, feature), over heads and tokens: tables whose rows were
+        # picked by the batch index; read only on a batch long enough to show a sequence
+        for pairing in ("half", "interleaved"):
+            pr = pair_rotate(p[..., :rot], pairing)
+            cos, sin, resid = _solve(
+                p[..., :rot].transpose(0, 2), pr.transpose(0, 2), u[..., :rot].transpose(0, 2)
+            )
+            if resid <= 1e-4 and bool((sin.abs() > 1e-6).any()):
+                fits.append(Tables(pairing, rot, cos, sin, 1.0, by_sequence=True))
     if not fits:
         return None
     # both fit only where the samples cannot tell them apart: prefer the true rotation
@@ -269,7 +298,7 @@ def fit_tables(p: T, u: T) -> Tables | None:
     if bool((sin.abs() <= 1e-6 * cos.abs().amax()).all()):
         return None  # a factor that varies by position or feature, not a rotation
     scale = tail if rot < d else torch.sqrt(cos * cos + sin * sin).median().item()
-    return Tables(pairing, rot, cos, sin, scale)
+    return Tables(pairing, rot, cos, sin, scale, by_sequence=fits[0].by_sequence)
 
 
 @dataclass
