@@ -134,6 +134,10 @@ class _Captured(BaseException):
         self.output = output
 
 
+class _Exited(_Captured):
+    """The output of attention computed inline in a block, taken (see ``ModuleProbe.exit``)."""
+
+
 class _Entry:
     """Where a layer inside a wrapper takes its hidden states, and in which layout: batch
     first ``(B, T, d)``, tokens first ``(T, B, d)``, or the tokens laid out as a grid
@@ -180,6 +184,9 @@ class ModuleProbe:
         # discovery draws from its own generator: the judged probes do not depend on it
         self.discovery_gen = torch.Generator().manual_seed(seed + 1)
         self.entry: _Entry | None = None
+        #: attention computed inline in a block (no module of its own): the submodule that
+        #: makes its output (the output projection), where the attention's output is taken
+        self.exit: nn.Module | None = None
         self.structure: Structure | None = None
         self._hf_rotary: nn.Module | None = None
         self._rope_probe: list[Call] | None = None
@@ -308,6 +315,8 @@ class ModuleProbe:
                 if st.call is not None:
                     self.entry = self._entry(st, rec, batch)
                     self.notes.append(f"the attention layer checked is {st.layer!r}")
+                else:
+                    self.exit = self._exit(st, rec, out)
                 return st
         self.adapter["pair"] = pair
         if widths and errors:  # runs where nothing watches it? then it cannot be read
@@ -328,6 +337,43 @@ class ModuleProbe:
                 "block that supplies them. Every probe raised: " + "; ".join(errors[:2])
             )
         raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors[:3]))
+
+    def _exit(self, st: Structure, rec: Recorder, out) -> nn.Module | None:
+        """Attention computed in the target's own forward (a method of a block, no module of
+        its own) whose output then goes on (a residual, an MLP): the submodule that makes
+        the attention's output, its output projection, or None where the target returns it.
+
+        Only where what follows reads the target's input again past the output projection
+        (a residual: the target is a block); a layer that only drops out or scales its
+        projected output keeps that as its own."""
+        if st.out is None or not isinstance(out, torch.Tensor):
+            return None
+        end = st.out.op.index
+        # the innermost submodule call that holds the output projection and ends with it
+        calls = sorted(
+            (c for c in rec.modules if c.path and c.start <= end < c.end),
+            key=lambda c: -c.depth,
+        )
+        if not calls or calls[0].end - 1 != end:
+            return None
+        node = rec.node_of(out)
+        if node is None or node == end or rec.ops[end].output.shape != out.shape:
+            return None
+        past = Graph(rec).ancestors(node, stop={end})
+        residual = any(rec.ops[i].leaf == "input:0" for i in past if i != end)
+        # a block: its input normed before the projections (pre-norm), or weights of its own
+        # after the attention (an MLP, a norm); a layer that adds its input to its own
+        # output and stops there is a layer with a residual inside (a mistake)
+        more = any(c.path and c.start > end for c in rec.modules) or any(
+            (op.leaf or "").startswith("param:") for op in rec.ops[end + 1 :]
+        )
+        if end not in past or not residual or not (st.pre or more):
+            return None
+        self.notes.append(
+            "its attention is computed in its own forward, and what follows it (a residual, "
+            f"more layers) is not checked: the attention's output is taken at {calls[0].path!r}"
+        )
+        return calls[0].module
 
     def _required_beyond_input(self) -> list[str]:
         """Required forward arguments after the first that are not another sequence: a
@@ -544,7 +590,20 @@ class ModuleProbe:
             args = (inp, inp if other is None else other)
         else:
             args = (inp,)
-        result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
+        handle = None
+        if self.exit is not None:  # attention inline in a block: its output is taken here
+
+            def leave(mod, args, out):
+                raise _Exited(out)
+
+            handle = self.exit.register_forward_hook(leave)
+        try:
+            result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
+        except _Exited as got:
+            result, err = got.output, None
+        finally:
+            if handle is not None:
+                handle.remove()
         if err is not None:
             return None, err
         out = first_tensor(result)

@@ -1,0 +1,196 @@
+"""Modern attention read from what the computation does, in styles that hide it: a norm
+applied after the rotation, rotation tables whose rows follow the batch, attention written
+inline in a block. Small synthetic layers, each with its correct twin: the mechanism that
+names the mistake must leave correct code alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import outcome
+from torch import nn
+
+from attnscope import check
+
+
+def _tables(n: int, d: int, base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, -1)
+    return torch.cat([-b, a], -1)
+
+
+class _NormedRotary(nn.Module):
+    """(B, T, H, D) heads, a per-head LayerNorm with a (H, D) gain and shift, rotary;
+    ``norm_first`` says which comes first (the norm first is the design)."""
+
+    def __init__(self, norm_first: bool, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.h, self.hd, self.norm_first = heads, d // heads, norm_first
+        self.q_proj, self.k_proj = nn.Linear(d, d), nn.Linear(d, d)
+        self.v_proj, self.o_proj = nn.Linear(d, d), nn.Linear(d, d)
+        g = torch.Generator().manual_seed(3)
+        self.q_gain = nn.Parameter(0.5 + torch.rand(heads, self.hd, generator=g))
+        self.q_shift = nn.Parameter(torch.randn(heads, self.hd, generator=g) * 0.1)
+        self.k_gain = nn.Parameter(0.5 + torch.rand(heads, self.hd, generator=g))
+        self.k_shift = nn.Parameter(torch.randn(heads, self.hd, generator=g) * 0.1)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.h, self.hd)
+        k = self.k_proj(x).view(b, n, self.h, self.hd)
+        v = self.v_proj(x).view(b, n, self.h, self.hd).transpose(1, 2)
+        cos, sin = _tables(n, self.hd)
+        cos, sin = cos[:, None], sin[:, None]
+
+        def norm(t, gain, shift):
+            return F.layer_norm(t, (self.hd,), eps=1e-5) * gain + shift
+
+        def rot(t):
+            return t * cos + _rotate_half(t) * sin
+
+        if self.norm_first:
+            q, k = rot(norm(q, self.q_gain, self.q_shift)), rot(norm(k, self.k_gain, self.k_shift))
+        else:
+            q, k = norm(rot(q), self.q_gain, self.q_shift), norm(rot(k), self.k_gain, self.k_shift)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        s = q @ k.transpose(-2, -1) / math.sqrt(self.hd)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out = s.softmax(-1) @ v
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_a_layernorm_after_the_rotation_is_read_as_misplaced(norm_first):
+    """A LayerNorm subtracts a mean, which does not commute with the rotation: read from
+    the rotated tensor the computation made on the way, then normed."""
+    report = check(lambda: _NormedRotary(norm_first))
+    want = ("ok",) if norm_first else ("normed_queries", "qk_norm_misplaced")
+    assert outcome(report) == want, report.to_text(color=False)
+    if norm_first:
+        assert report.structure["qk_norm"] == "per-head"
+        assert report.structure["rope"]["pairing"] == "half"
+
+
+class _SequenceFirstTables(nn.Module):
+    """Rotation tables picked with ``x.size(0)`` rows: the position axis of sequence-first
+    code; on batch-first tensors (``rows_by_batch``) that is the batch."""
+
+    def __init__(self, rows_by_batch: bool, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.h, self.hd, self.by_batch = heads, d // heads, rows_by_batch
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        cos, sin = _tables(64, self.hd)
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+
+    def forward(self, x):  # (B, T, d)
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).unbind(2)
+        if self.by_batch:
+            rows = q.size(0)  # was the sequence length in a (T, B, H, D) layout
+            cos, sin = self.cos[:rows, None, None], self.sin[:rows, None, None]
+        else:
+            cos, sin = self.cos[:n, None], self.sin[:n, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.out(out.transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("rows_by_batch", [False, True])
+def test_rotation_tables_indexed_by_the_batch_are_wrong_positions(rows_by_batch):
+    report = check(lambda: _SequenceFirstTables(rows_by_batch))
+    want = ("rotated_queries", "rope_positions") if rows_by_batch else ("ok",)
+    assert outcome(report) == want, report.to_text(color=False)
+    if rows_by_batch:
+        assert "batch index" in report.first_failure.message
+    else:
+        assert report.structure["rope"]["base"] == 10000.0
+
+
+class _InlineBlock(nn.Module):
+    """A pre-norm block that computes its attention in a method of its own (no attention
+    submodule), then adds the residual and runs an MLP: the attention's output is what its
+    output projection makes."""
+
+    def __init__(self, norm_queries: bool = True, d: int = 32, heads: int = 4, kv: int = 2):
+        super().__init__()
+        self.h, self.kv, self.hd, self.norm_queries = heads, kv, d // heads, norm_queries
+        self.dims = (d, kv * self.hd, kv * self.hd)
+        self.ln = nn.LayerNorm(d)
+        self.att_proj = nn.Linear(d, sum(self.dims), bias=False)
+        self.q_norm = nn.LayerNorm(d, bias=False)
+        self.k_norm = nn.LayerNorm(kv * self.hd, bias=False)
+        with torch.no_grad():
+            self.q_norm.weight.uniform_(0.5, 1.5)
+            self.k_norm.weight.uniform_(0.5, 1.5)
+        self.att_out = nn.Linear(d, d, bias=False)
+        self.ff_norm = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def attention(self, q, k, v):
+        b, n, c = q.shape
+        if self.norm_queries:
+            q = self.q_norm(q)
+        k = self.k_norm(k)
+        q = q.view(b, n, self.h, self.hd).transpose(1, 2)
+        k = k.view(b, n, self.kv, self.hd).transpose(1, 2)
+        v = v.view(b, n, self.kv, self.hd).transpose(1, 2)
+        cos, sin = _tables(n, self.hd)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.att_out(out.transpose(1, 2).reshape(b, n, c))
+
+    def forward(self, x):
+        q, k, v = self.att_proj(self.ln(x)).split(self.dims, dim=-1)
+        x = x + self.attention(q, k, v)
+        return x + self.ff(self.ff_norm(x))
+
+
+@pytest.mark.parametrize("norm_queries", [True, False])
+def test_attention_inline_in_a_block_is_judged_at_its_output_projection(norm_queries):
+    report = check(lambda: _InlineBlock(norm_queries), kind="causal-multihead")
+    want = ("ok",) if norm_queries else ("normed_queries", "qk_norm_missing")
+    assert outcome(report) == want, report.to_text(color=False)
+    assert report.layer is None
+    assert any("computed in its own forward" in n for n in report.notes)
+    if norm_queries:
+        s = report.structure
+        assert (s["heads"], s["kv_heads"], s["qk_norm"]) == (4, 2, "full")
+
+
+def test_inline_attention_inferred_kind_and_a_plain_block():
+    """Without a QK norm or rotation, kind inferred: the block's residual and MLP are not
+    held against the attention."""
+
+    class Block(nn.Module):
+        def __init__(self, d=24, heads=3):
+            super().__init__()
+            self.h = heads
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.mlp = nn.Sequential(nn.Linear(d, d), nn.Tanh())
+
+        def forward(self, x):
+            b, n, d = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+            s = q @ k.transpose(-2, -1) / math.sqrt(d // self.h)
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            a = self.proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+            x = x + a
+            return x + self.mlp(x)
+
+    report = check(Block)
+    assert report.ok, report.to_text(color=False)
+    assert report.kind == "causal-multihead"
