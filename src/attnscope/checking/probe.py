@@ -54,6 +54,23 @@ __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
 BATCH = 2
 _WEIGHTLESS_WIDTH = 5  # d_in for a module without weights (simplified attention)
 _ROPE_BATCH = 6  # sequences of the call a rotation is read from
+#: words in the name of a second input that is another sequence (not a mask or positions)
+_SEQUENCE_HINTS = (
+    "encoder",
+    "context",
+    "memory",
+    "cross",
+    "source",
+    "enc_",
+    "xa",
+    "image",
+    "media",
+    "vision",
+    "visual",
+    "audio",
+    "kv_input",
+    "y",
+)
 #: where layers and configs declare a sliding window (Mistral, Qwen 2, Gemma 2, Phi-3, ...)
 _WINDOW_NAMES = ("sliding_window", "sliding_window_size", "window_size", "attention_window")
 
@@ -880,6 +897,16 @@ class ModuleProbe:
             return Kind.of("cross"), (
                 f"it takes a second sequence, {second!r}, that its keys and values do not read"
             )
+        declared = self._declared_cross()
+        if declared is not None:
+            # an optional second sequence the layer says it attends to, not passed in
+            # discovery: probed with one (keys read from the queries' input then show)
+            self._expect_second_sequence()
+            self.calls = self._probe(self.calls[0].given.float())
+            return Kind.of("cross"), (
+                f"it declares cross-attention ({declared}) and takes a second sequence, "
+                f"{self._second_name()!r}"
+            )
         reasons = []
         heads = binding.num_heads
         multi = (heads or 1) > 1
@@ -907,11 +934,22 @@ class ModuleProbe:
         symmetric = is_symmetric(st.bias.tensor, st.bias.scores_shape)
         return Alibi(heads, st.bias.before_scale, seen, symmetric)
 
-    def _unread_sequence_argument(self) -> str | None:
-        """The name of a second required input named like another sequence (encoder
-        states, a context, memory) that the computation never reads, or None."""
-        if not self.adapter["pair"] or self._second_read:
+    def _declared_cross(self) -> str | None:
+        """A layer that says it is cross-attention (``is_cross_attention=True``, as BLIP-2's
+        Q-Former and BERT-style layers do), called by a target whose optional second input
+        is named like another sequence, which discovery did not pass: the flag, or None."""
+        if not self.adapter.get("optional_second") or self._second_name() is None:
             return None
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in dict.fromkeys((m, self.module)):
+            for attr in ("is_cross_attention", "cross_attention", "is_cross"):
+                if getattr(holder, attr, None) is True:
+                    return f"{attr}=True"
+        return None
+
+    def _second_name(self) -> str | None:
+        """The second positional parameter of the target's forward, where it is named like
+        another sequence (encoder states, a context, memory), or None."""
         try:
             params = [
                 p
@@ -923,23 +961,14 @@ class ModuleProbe:
         if len(params) < 2:
             return None
         name = params[1].name
-        hints = (
-            "encoder",
-            "context",
-            "memory",
-            "cross",
-            "source",
-            "enc_",
-            "xa",
-            "image",
-            "media",
-            "vision",
-            "visual",
-            "audio",
-            "kv_input",
-            "y",
-        )
-        return name if any(h in name.lower() for h in hints) else None
+        return name if any(h in name.lower() for h in _SEQUENCE_HINTS) else None
+
+    def _unread_sequence_argument(self) -> str | None:
+        """The name of a second required input named like another sequence (encoder
+        states, a context, memory) that the computation never reads, or None."""
+        if not self.adapter["pair"] or self._second_read:
+            return None
+        return self._second_name()
 
     def _window(self) -> int | None:
         """The sliding window the reference holds the layer to: the one its (or its
