@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import outcome
 from torch import nn
 
-from attnscope import check
+from attnscope import AttnScopeError, check
 
 
 def _tables(n: int, d: int, base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,3 +194,132 @@ def test_inline_attention_inferred_kind_and_a_plain_block():
     report = check(Block)
     assert report.ok, report.to_text(color=False)
     assert report.kind == "causal-multihead"
+
+
+class _QFormerLike(nn.Module):
+    """A cross-attention layer (it says so) inside a wrapper whose second input is optional;
+    ``reads_context`` False: keys and values from the queries' own input."""
+
+    def __init__(self, cross: bool, reads_context: bool, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.is_cross_attention = cross
+        self.reads_context = reads_context
+        self.query, self.key, self.value = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def split(self, t):
+        return t.view(*t.shape[:-1], self.h, self.hd).transpose(1, 2)
+
+    def forward(self, hidden_states, encoder_hidden_states=None):
+        use = encoder_hidden_states is not None and self.reads_context
+        kv = encoder_hidden_states if use else hidden_states
+        q, k = self.split(self.query(hidden_states)), self.split(self.key(kv))
+        v = self.split(self.value(kv))
+        w = (q @ k.transpose(-1, -2) / math.sqrt(self.hd)).softmax(-1)
+        out = (w @ v).transpose(1, 2)
+        return out.reshape(*out.shape[:-2], -1)
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, cross: bool, reads_context: bool):
+        super().__init__()
+        self.attention = _QFormerLike(cross, reads_context)
+        self.dense = nn.Linear(32, 32)
+
+    def forward(self, hidden_states, encoder_hidden_states=None):
+        return self.dense(self.attention(hidden_states, encoder_hidden_states))
+
+
+@pytest.mark.parametrize(
+    "cross,reads,want,kind",
+    [
+        (True, True, ("ok",), "cross"),
+        (True, False, ("keys", "wrong_source"), "cross"),
+        (False, True, ("ok",), "multihead"),  # says self-attention: judged as such
+    ],
+)
+def test_a_layer_that_declares_cross_attention_gets_its_second_sequence(cross, reads, want, kind):
+    report = check(lambda: _Wrapper(cross, reads))
+    assert outcome(report) == want, report.to_text(color=False)
+    assert report.kind == kind, report.kind_reason
+
+
+class _PackedAttention(nn.Module):
+    """Attention on a flattened batch ``(tokens, d)``: per-token positions, one causal
+    SDPA call per sequence (vLLM-style backends, packed sequences)."""
+
+    def __init__(self, scale: float | None = None, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.h, self.hd, self.scale = heads, d // heads, scale
+        self.qkv, self.out = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        inv = 1.0 / 10_000 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd)
+        self.register_buffer("inv", inv.float())
+
+    def forward(self, positions, x, lens):
+        t = x.shape[0]
+        q, k, v = (a.view(t, self.h, self.hd) for a in self.qkv(x).chunk(3, -1))
+        ang = positions[:, None].float() * self.inv  # (tokens, hd/2), interleaved pairs
+        cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+
+        def rot(a):
+            even, odd = a[..., ::2], a[..., 1::2]
+            return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
+
+        q, k = rot(q), rot(k)
+        out = torch.empty_like(q)
+        start = 0
+        for n in lens:
+            sl = slice(start, start + n)
+            o = F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1),
+                k[sl].transpose(0, 1),
+                v[sl].transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+            )
+            out[sl] = o.transpose(0, 1)
+            start += n
+        return self.out(out.reshape(t, -1))
+
+
+class _Runner(nn.Module):
+    """Takes ``(batch, tokens, d)``, flattens it and passes per-token positions."""
+
+    def __init__(self, scale=None, restart: bool = True, tokens_first: bool = False):
+        super().__init__()
+        self.attn = _PackedAttention(scale)
+        self.restart, self.tokens_first = restart, tokens_first
+
+    def forward(self, x):
+        b, n, d = x.shape
+        lens = [n] * b
+        if self.restart:
+            positions = torch.cat([torch.arange(n) for _ in lens])
+        else:  # counted on across the packed sequences: a uniform shift per sequence
+            positions = torch.arange(b * n)
+        if self.tokens_first:
+            return self.attn(positions, x.transpose(0, 1).reshape(b * n, d), lens)
+        return self.attn(positions, x.reshape(b * n, d), lens).view(b, n, d)
+
+
+@pytest.mark.parametrize(
+    "kw,want",
+    [
+        (dict(), ("ok",)),
+        (dict(restart=False), ("ok",)),  # positions shifted alike within each sequence
+        (dict(scale=1.0), ("scaled_scores", "missing_scale")),
+    ],
+)
+def test_a_flattened_token_batch_inside_a_runner(kw, want):
+    report = check(lambda: _Runner(**kw))
+    assert outcome(report) == want, report.to_text(color=False)
+    assert report.layer == "attn"
+    if want == ("ok",):
+        s = report.structure
+        assert (s["heads"], s["head_dim"], s["rope"]["pairing"]) == (4, 8, "interleaved")
+
+
+def test_a_batch_flattened_tokens_first_is_not_entered_as_sequences():
+    """``(T, B, d)`` flattened: rows are not sequence after sequence; no verdict on it."""
+    with pytest.raises(AttnScopeError):
+        check(lambda: _Runner(tokens_first=True))

@@ -13,8 +13,6 @@ from attnscope import AttnScopeError, ModelReport, check
 #: expected failure, strict, so that the day it is fixed the test says so and leaves the list
 _OPEN = {
     "b_baichuan2_sdpa_fast_path_drops_alibi": "the dropped ALiBi shows nowhere in the computation",
-    "b_qformer_cross_flag_never_set": "kind inferred: an optional second input, never passed",
-    "c_vllm_flat_tokens_gptj_rotary": "a flattened token batch (tokens, d) inside a runner",
     "c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs from "
     "the one stated for its defaults",
 }
@@ -24,8 +22,6 @@ def _cases(infer: bool):
     out = []
     for path, expect in expectations(ROOT / "tests" / "unseen"):
         reason = _OPEN.get(path.stem) if path.parent.name == "r7" else None
-        if reason and path.stem == "b_qformer_cross_flag_never_set" and not infer:
-            reason = None  # with --kind cross it is named
         marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
         out.append(pytest.param(path, expect, marks=marks, id=f"{path.parent.name}/{path.stem}"))
     return out

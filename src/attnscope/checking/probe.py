@@ -32,7 +32,7 @@ from ..stages import Kind, Stage
 from .alibi import Alibi, is_symmetric, read_slopes
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
-from .dataflow import Graph
+from .dataflow import LAYOUT_OPS, Graph
 from .features import Unsupported
 from .judge import Call, Judge
 from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
@@ -151,20 +151,60 @@ class _Captured(BaseException):
         self.output = output
 
 
+def _batch_major(rec: Recorder, node: int, b: int, n: int) -> bool:
+    """Whether a ``(B * T, d)`` tensor was flattened from ``(B, T, ...)`` (sequence after
+    sequence), not from tokens first ``(T, B, ...)``: read where its rows were merged."""
+    graph = Graph(rec)
+    for i in sorted(graph.ancestors(node), reverse=True):
+        out = rec.ops[i].output
+        if out.dim() == 0 or out.shape[0] != b * n:
+            continue
+        for a in graph.tainted_args(rec.ops[i]):
+            shape = tuple(rec.ops[a].output.shape)
+            if len(shape) >= 2 and shape[0] != b * n and shape[0] * shape[1] == b * n:
+                return shape[:2] == (b, n)
+    return False
+
+
+def _whole(rec: Recorder, graph: Graph, node: int, numel: int) -> torch.Tensor:
+    """The scores' operand, or where it is one sequence's slice (a loop over the sequences
+    of a flattened batch), the whole tensor it was cut from: up through layout ops until
+    it holds ``numel`` entries (every sequence and head)."""
+    i = node
+    for _ in range(8):
+        op = rec.ops[i]
+        if op.output.numel() >= numel or op.name not in LAYOUT_OPS:
+            break
+        parents = graph.tainted_args(op)
+        if len(parents) != 1:
+            break
+        i = parents[0]
+    found = rec.ops[i].output
+    return (found if found.numel() == numel else rec.ops[node].output).detach()
+
+
 class _Exited(_Captured):
     """The output of attention computed inline in a block, taken (see ``ModuleProbe.exit``)."""
 
 
 class _Entry:
     """Where a layer inside a wrapper takes its hidden states, and in which layout: batch
-    first ``(B, T, d)``, tokens first ``(T, B, d)``, or the tokens laid out as a grid
-    ``(B, H, W, d)`` with ``H * W = T`` (``grid`` is then ``(H, W)``)."""
+    first ``(B, T, d)``, tokens first ``(T, B, d)``, the tokens laid out as a grid
+    ``(B, H, W, d)`` with ``H * W = T`` (``grid`` is then ``(H, W)``), or the batch
+    flattened to its tokens ``(B * T, d)`` (``flat``: vLLM-style runners, packed batches)."""
 
     def __init__(
-        self, module: nn.Module, path: str, positions: list, tokens_first: bool, grid=None
+        self,
+        module: nn.Module,
+        path: str,
+        positions: list,
+        tokens_first: bool,
+        grid=None,
+        flat: bool = False,
     ):
         self.module, self.path = module, path
         self.positions, self.tokens_first, self.grid = positions, tokens_first, grid
+        self.flat = flat
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The probe ``(B, T, d)`` in the layout the layer takes."""
@@ -172,12 +212,16 @@ class _Entry:
             return x.transpose(0, 1)
         if self.grid is not None:
             return x.reshape(x.shape[0], *self.grid, x.shape[-1])
+        if self.flat:
+            return x.reshape(-1, x.shape[-1])
         return x
 
     def leave(self, out: torch.Tensor, b: int, n: int) -> torch.Tensor:
         """The layer's output back in ``(B, T, d)``."""
         if self.tokens_first and out.dim() == 3:
             return out.transpose(0, 1)
+        if self.flat and out.dim() == 2 and out.shape[0] == b * n:
+            return out.reshape(b, n, out.shape[-1])
         if self.grid is not None and out.shape[0] == b and math.prod(out.shape[1:-1]) == n:
             return out.reshape(b, n, out.shape[-1])
         return out
@@ -489,6 +533,9 @@ class ModuleProbe:
             return _Entry(module, st.layer, positions, lead == (n, b) and lead != (b, n))
         if positions and value.dim() > 3 and lead[0] == b and math.prod(lead[1:]) == n:
             return _Entry(module, st.layer, positions, False, grid=lead[1:])
+        if positions and lead == (b * n,) and before and _batch_major(rec, max(before), b, n):
+            # the batch flattened to its tokens, sequence after sequence
+            return _Entry(module, st.layer, positions, False, flat=True)
         raise AttnScopeError(
             f"{self.tgt.text}: found its attention in {st.layer!r}, which receives its input "
             f"as {describe(value)}; expected (batch, tokens, d), (tokens, batch, d) or a grid "
@@ -1137,7 +1184,7 @@ class ModuleProbe:
                 gains = gains_on_path(call.record.ops, graph, path, widths)
             eps = eps_on_path(call.record.ops, path)
             turned = _rotations_on_path(path, ref, b, hd) if word in st.qk_norm else []
-            user = call.record.ops[node].output.detach().to(torch.float64)
+            user = _whole(call.record, graph, node, ref.numel()).to(torch.float64)
             refs = [ref]
             if ref.shape[1] != spec.num_heads:  # keys repeated for the query heads first
                 g = spec.num_heads // ref.shape[1]
