@@ -238,3 +238,46 @@ def test_every_variant_of_attnscopes_own_layer_passes_with_its_structure(name):
     if layer.rope:
         assert s["rope"]["pairing"] == layer.rope_pairing
         assert s["rope"]["fraction"] == layer.rope_fraction
+
+
+def test_hf_gemma2_attention_scales_by_its_query_pre_attn_scalar():
+    """Gemma 2 declares its scale (query_pre_attn_scalar, here not the head size): correct."""
+    cls, cfg = _hf(
+        "gemma2",
+        "Gemma2Attention",
+        "Gemma2Config",
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=None,
+        num_hidden_layers=2,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=1))  # a full-attention layer
+    assert report.ok, report.to_text(color=False)
+
+
+@pytest.mark.parametrize("multi_query", [True, False])
+def test_hf_gpt_bigcode_block_gets_the_models_causal_mask(multi_query):
+    """An HF block around an attention that takes its causal mask from the model: the block
+    is handed that mask, and passes it on (no missing_mask on correct code)."""
+    mod = pytest.importorskip("transformers.models.gpt_bigcode.modeling_gpt_bigcode")
+    cfg = transformers.GPTBigCodeConfig(n_embd=48, n_head=4, n_layer=1, multi_query=multi_query)
+    cfg._attn_implementation = "eager"
+    report = check(lambda: mod.GPTBigCodeBlock(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert (report.kind, report.layer) == ("causal-multihead", "attn")
+    assert report.structure["kv_heads"] == (1 if multi_query else 4)
+
+
+def test_hf_siglip_attention_takes_batched_input_only():
+    """SiglipAttention's (tokens, d) input runs and means something else (its heads are
+    split with transpose(1, 2)): set aside, the batched calls are judged, correct."""
+    mod = pytest.importorskip("transformers.models.siglip.modeling_siglip")
+    cfg = transformers.SiglipVisionConfig(
+        hidden_size=48, num_attention_heads=4, intermediate_size=64, num_hidden_layers=1
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: mod.SiglipAttention(cfg))
+    assert report.ok, report.to_text(color=False)
+    assert any("accepts only batched" in n for n in report.notes)

@@ -291,7 +291,7 @@ class ModuleProbe:
             if self.kind.cross and not self.cross:
                 self._expect_second_sequence()
                 self.calls = self._probe(x)
-            if self.kind.causal and self.adapter["hf"] and self.entry is None:
+            if self.kind.causal and self.adapter["hf"]:
                 self.calls = self._probe(x, causal_hint=True)  # the model's causal mask
         if self.kind.one_query:
             raise AttnScopeError(
@@ -618,7 +618,7 @@ class ModuleProbe:
 
     def _invoke(self, x32: torch.Tensor, causal_hint: bool = False):
         if self.entry is not None:
-            return self._invoke_layer(x32)
+            return self._invoke_layer(x32, causal_hint)
         return self._invoke_root(x32, causal_hint)
 
     def _invoke_root(
@@ -689,9 +689,11 @@ class ModuleProbe:
             self._root_inputs[(b, n)] = torch.randn(b, n, d, generator=self.discovery_gen)
         return self._root_inputs[(b, n)]
 
-    def _invoke_layer(self, x32: torch.Tensor):
+    def _invoke_layer(self, x32: torch.Tensor, causal_hint: bool = False, change=None):
         """Run the wrapper; swap the layer's hidden states for ``x32`` on the way in, take its
-        output on the way out."""
+        output on the way out (a Hugging Face wrapper gets the model's causal mask where
+        ``causal_hint``, and hands it on). ``change``: ``(argument, fn)``, another of the
+        layer's arguments replaced by ``fn`` of it on the way in."""
         e = self.entry
         if x32.dim() != 3:
             return None, "a layer inside a wrapper is probed with batched input only"
@@ -702,6 +704,10 @@ class ModuleProbe:
         def swap(mod, args, kwargs):
             args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
             kwargs = {k: sub if k in e.positions else v for k, v in kwargs.items()}
+            if change is not None:
+                key, fn = change
+                args = tuple(fn(a) if i == key else a for i, a in enumerate(args))
+                kwargs = {k: fn(v) if k == key else v for k, v in kwargs.items()}
             return args, kwargs
 
         def take(mod, args, out):
@@ -712,7 +718,7 @@ class ModuleProbe:
             e.module.register_forward_hook(take),
         ]
         try:
-            _, err = self._invoke_root(self._root_input(*x32.shape[:2]))
+            _, err = self._invoke_root(self._root_input(*x32.shape[:2]), causal_hint)
         except _Captured as got:
             out = first_tensor(got.output)
             if not isinstance(out, torch.Tensor):
@@ -964,7 +970,7 @@ class ModuleProbe:
             causal_why = "its outputs do not change when later tokens change"
         if causal_why:
             reasons.append(f"causal: {causal_why}")
-            if multi and self.adapter["hf"] and self.entry is None:
+            if multi and self.adapter["hf"]:  # a layer, or a block around it
                 self.calls = self._probe(self.calls[0].given.float(), causal_hint=True)
         kind = Kind.weighted_kind(causal=bool(causal_why), multihead=multi)
         if not multi:
@@ -1046,6 +1052,20 @@ class ModuleProbe:
                     return v
         return None
 
+    def _declared_scale(self) -> tuple[float | None, str]:
+        """A scale the layer's (or its model's) configuration declares in place of
+        1/sqrt(d_k): Gemma's ``query_pre_attn_scalar`` (scores times its 1/sqrt), Granite's
+        ``attention_multiplier``; ``(None, "")`` where none is declared."""
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in (getattr(m, "config", None), getattr(self.module, "config", None)):
+            v = getattr(holder, "query_pre_attn_scalar", None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                return v**-0.5, f"1/sqrt(query_pre_attn_scalar) = 1/sqrt({v:g})"
+            v = getattr(holder, "attention_multiplier", None)
+            if isinstance(v, float) and v > 0:
+                return v, f"attention_multiplier = {v:g}"
+        return None, ""
+
     def _declared_causal(self) -> str | None:
         """A causal layer whose computation shows no mask: it says so in a flag, or holds a
         triangular mask it never applies (the check then names the missing mask)."""
@@ -1095,6 +1115,7 @@ class ModuleProbe:
         else:
             heads = [1]
         out = []
+        scale, source = self._declared_scale()
         for h in heads:
             for w in b.candidates:
                 hd = b.d_out // h
@@ -1111,6 +1132,8 @@ class ModuleProbe:
                     kv_heads=kv,
                     window=self._window(),
                     alibi=self._alibi(h),
+                    declared_scale=scale,
+                    scale_source=source,
                 )
                 out.append((w, spec))
         if not out:
