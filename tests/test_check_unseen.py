@@ -12,7 +12,6 @@ from attnscope import AttnScopeError, ModelReport, check
 #: round 7's first run left these open (its numbers are in the README): each is held as an
 #: expected failure, strict, so that the day it is fixed the test says so and leaves the list
 _OPEN = {
-    "b_baichuan2_sdpa_fast_path_drops_alibi": "the dropped ALiBi shows nowhere in the computation",
     "c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs from "
     "the one stated for its defaults",
 }

@@ -166,6 +166,28 @@ def _batch_major(rec: Recorder, node: int, b: int, n: int) -> bool:
     return False
 
 
+def _alibi_like(bias: torch.Tensor, slopes: torch.Tensor) -> bool:
+    """Whether ``bias`` ``(B, H, T, T)`` is, where finite, ``slope_h * (j - i)`` plus a
+    constant per query row, with slopes of one sign, no two heads alike."""
+    if bool((slopes.abs() < 1e-6).any()) or not (
+        bool((slopes > 0).all()) or bool((slopes < 0).all())
+    ):
+        return False
+    if slopes.numel() > 1 and len({round(v, 6) for v in slopes.tolist()}) != slopes.numel():
+        return False
+    e = bias.detach().to(torch.float64)
+    n = e.shape[-1]
+    j = torch.arange(n, dtype=torch.float64)
+    rest = e - slopes.to(torch.float64)[None, :, None, None] * j  # a constant per row left
+    finite = torch.isfinite(e) & (e > -1e4)
+    lower = torch.ones(n, n, dtype=torch.bool).tril()
+    if not bool((finite & lower).any()):
+        return False
+    rows = rest.masked_fill(~finite, float("nan"))
+    spread = (rows.nan_to_num(0) - rows.nanmean(-1, keepdim=True).nan_to_num(0)).abs()
+    return bool((spread.masked_fill(~finite, 0) < 1e-4 * (1 + e[finite].abs().amax())).all())
+
+
 def _whole(rec: Recorder, graph: Graph, node: int, numel: int) -> torch.Tensor:
     """The scores' operand, or where it is one sequence's slice (a loop over the sequences
     of a flattened batch), the whole tensor it was cut from: up through layout ops until
@@ -205,6 +227,9 @@ class _Entry:
         self.module, self.path = module, path
         self.positions, self.tokens_first, self.grid = positions, tokens_first, grid
         self.flat = flat
+        #: the other float tensors the wrapper hands the layer, by argument (a mask, a
+        #: position bias), as handed on the discovery run
+        self.extras: dict = {}
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The probe ``(B, T, d)`` in the layout the layer takes."""
@@ -257,6 +282,7 @@ class ModuleProbe:
         self._contexts: dict[tuple, torch.Tensor] = {}
         self._root_inputs: dict[tuple, torch.Tensor] = {}
         self._root_width = _WEIGHTLESS_WIDTH
+        self._cache: dict = {}
         self._leaf_names = {id(p): f"param:{n}" for n, p in self.module.named_parameters()}
         self._leaf_names.update({id(b): f"buffer:{n}" for n, b in self.module.named_buffers()})
 
@@ -511,13 +537,16 @@ class ModuleProbe:
         module = st.call.module
         positions: list = []
 
+        extras: dict = {}
+
         def grab(mod, args, kwargs):
-            for i, a in enumerate(args):
-                if isinstance(a, torch.Tensor) and a.shape == value.shape and torch.equal(a, value):
-                    positions.append(i)
-            for k, a in kwargs.items():
-                if isinstance(a, torch.Tensor) and a.shape == value.shape and torch.equal(a, value):
-                    positions.append(k)
+            for key, a in [*enumerate(args), *kwargs.items()]:
+                if not isinstance(a, torch.Tensor):
+                    continue
+                if a.shape == value.shape and torch.equal(a, value):
+                    positions.append(key)
+                elif a.is_floating_point() and a.dim() >= 2:
+                    extras[key] = a.detach().clone()
             raise _Captured(None)
 
         handle = module.register_forward_pre_hook(grab, with_kwargs=True)
@@ -529,13 +558,17 @@ class ModuleProbe:
             handle.remove()
         b, n = x.shape[:2]
         lead = tuple(value.shape[:-1])
+        entry = None
         if positions and lead in ((b, n), (n, b)):
-            return _Entry(module, st.layer, positions, lead == (n, b) and lead != (b, n))
-        if positions and value.dim() > 3 and lead[0] == b and math.prod(lead[1:]) == n:
-            return _Entry(module, st.layer, positions, False, grid=lead[1:])
-        if positions and lead == (b * n,) and before and _batch_major(rec, max(before), b, n):
+            entry = _Entry(module, st.layer, positions, lead == (n, b) and lead != (b, n))
+        elif positions and value.dim() > 3 and lead[0] == b and math.prod(lead[1:]) == n:
+            entry = _Entry(module, st.layer, positions, False, grid=lead[1:])
+        elif positions and lead == (b * n,) and before and _batch_major(rec, max(before), b, n):
             # the batch flattened to its tokens, sequence after sequence
-            return _Entry(module, st.layer, positions, False, flat=True)
+            entry = _Entry(module, st.layer, positions, False, flat=True)
+        if entry is not None:
+            entry.extras = extras
+            return entry
         raise AttnScopeError(
             f"{self.tgt.text}: found its attention in {st.layer!r}, which receives its input "
             f"as {describe(value)}; expected (batch, tokens, d), (tokens, batch, d) or a grid "
@@ -981,11 +1014,65 @@ class ModuleProbe:
         """The reference's ALiBi when the computation adds a position bias to the scores,
         with the slopes it used as read from that bias."""
         st = self.structure
+        if st is not None and st.bias is None and self.kind.causal:
+            handed = self._handed_alibi(heads)
+            if handed is not None:
+                return handed
         if st is None or st.bias is None:
             return None
         seen = read_slopes(st.bias.tensor, st.bias.scores_shape, heads)
         symmetric = is_symmetric(st.bias.tensor, st.bias.scores_shape)
         return Alibi(heads, st.bias.before_scale, seen, symmetric)
+
+    def _handed_alibi(self, heads: int) -> Alibi | None:
+        """An ALiBi bias the wrapper hands the layer (Baichuan and MPT models pass it in the
+        mask argument) that the layer's output does not depend on: the layer's position
+        bias, which it does not add (the judge then names ``bias_missing``). Read as ALiBi
+        only where, per head, its finite part is ``slope_h * (j - i)`` plus a constant per
+        query, with slopes of one sign and no two heads alike."""
+        e = self.entry
+        if e is None or not e.extras or self.host is not None:
+            return None
+        if "handed" in self._cache:
+            return self._cache["handed"]
+        self._cache["handed"] = None
+        for key, t in e.extras.items():
+            if t.shape[-1] != t.shape[-2] or t.numel() % (heads * t.shape[-1] ** 2):
+                continue
+            m = t.shape[-1]
+            shape = (t.numel() // (heads * m * m), heads, m, m)
+            slopes = read_slopes(t.reshape(shape), shape, heads)
+            if slopes is None or not _alibi_like(t.reshape(shape), slopes):
+                continue
+            if self._reads_argument(key):
+                continue
+            self.notes.append(
+                f"the wrapper hands it a position bias (ALiBi, in argument {key!r}) that its "
+                "output does not depend on"
+            )
+            alibi = Alibi(heads, False, slopes, is_symmetric(t.reshape(shape), shape))
+            self._cache["handed"] = alibi
+            return alibi
+        return None
+
+    def _reads_argument(self, key) -> bool:
+        """Whether the layer's output changes when this argument's finite entries do."""
+        base = self.calls[0]
+        if not base.batched:
+            return True
+        x = base.given.float()
+
+        def nudge(a):
+            if not isinstance(a, torch.Tensor) or not a.is_floating_point():
+                return a
+            finite = torch.isfinite(a) & (a > -1e4)
+            noise = torch.randn(a.shape, generator=self.gen).to(a.dtype)
+            return torch.where(finite, a + noise, a)
+
+        out, err = self._invoke_layer(x, self.causal_hint, change=(key, nudge))
+        if err is not None or out is None or out.shape != base.out.shape:
+            return True
+        return not close(out.double(), base.out, rtol=1e-6)
 
     def _declared_cross(self) -> str | None:
         """A layer that says it is cross-attention (``is_cross_attention=True``, as BLIP-2's
