@@ -6,6 +6,7 @@ names the mistake must leave correct code alone."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -323,3 +324,120 @@ def test_a_batch_flattened_tokens_first_is_not_entered_as_sequences():
     """``(T, B, d)`` flattened: rows are not sequence after sequence; no verdict on it."""
     with pytest.raises(AttnScopeError):
         check(lambda: _Runner(tokens_first=True))
+
+
+class _PreAttnScalar(nn.Module):
+    """Gemma-style: the configuration declares ``query_pre_attn_scalar`` and the queries are
+    scaled by its 1/sqrt; ``uses`` is what the code actually divides by."""
+
+    def __init__(self, declared: int, uses: int, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.config = SimpleNamespace(query_pre_attn_scalar=declared)
+        self.h, self.hd, self.uses = heads, d // heads, uses
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (
+            f(x).view(b, n, self.h, self.hd).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        s = (q * self.uses**-0.5) @ k.transpose(-2, -1)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize(
+    "declared,uses,want",
+    [
+        (24, 24, ("ok",)),  # the declared scale, not 1/sqrt(head_dim): correct
+        (8, 8, ("ok",)),  # declared as the head size
+        (24, 8, ("scaled_scores", "wrong_scale")),  # the declaration ignored
+    ],
+)
+def test_a_declared_query_pre_attn_scalar_is_the_scale(declared, uses, want):
+    report = check(lambda: _PreAttnScalar(declared, uses))
+    assert outcome(report) == want, report.to_text(color=False)
+    if want != ("ok",):
+        assert "query_pre_attn_scalar" in report.first_failure.message
+
+
+def _slopes(h: int) -> torch.Tensor:
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)])
+
+
+class _BiasTaker(nn.Module):
+    """Takes an additive mask from its model; ``uses`` False: a fast path that calls SDPA
+    with is_causal=True and leaves the mask (and whatever it carries) aside."""
+
+    def __init__(self, uses: bool, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.h, self.hd, self.uses = heads, d // heads, uses
+        self.W_pack, self.o_proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+
+    def forward(self, hidden_states, attention_mask=None):
+        b, n, d = hidden_states.shape
+        q, k, v = self.W_pack(hidden_states).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        if self.uses:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, d))
+
+
+class _BiasModel(nn.Module):
+    """Builds triu(-inf) plus, with ``alibi``, ``slope_h * j`` (Baichuan's key-position
+    form), and hands it to its layer as the mask."""
+
+    def __init__(self, uses: bool, alibi: bool, heads: int = 4):
+        super().__init__()
+        self.layer, self.alibi, self.h = _BiasTaker(uses, heads=heads), alibi, heads
+
+    def forward(self, x):
+        n = x.shape[1]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None].repeat(self.h, 1, 1)
+        if self.alibi:
+            mask = mask + _slopes(self.h)[:, None, None] * torch.arange(n)[None, None, :]
+        return x + self.layer(x, attention_mask=mask[None])
+
+
+@pytest.mark.parametrize(
+    "uses,alibi,want",
+    [
+        (True, True, ("ok",)),
+        (False, True, ("biased_scores", "bias_missing")),  # handed ALiBi, never read
+        (False, False, ("ok",)),  # a plain causal mask left aside for is_causal: correct
+    ],
+)
+def test_a_position_bias_handed_to_the_layer_and_never_read(uses, alibi, want):
+    report = check(lambda: _BiasModel(uses, alibi), kind="causal-multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    assert report.layer == "layer"
+    if want == ("ok",):
+        assert report.structure["bias"] == ("alibi" if alibi else None)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_bidirectional_local_window_is_refused_not_judged(fused):
+    """ModernBERT/Longformer-style local attention (keys within h positions on either
+    side) is not modelled: exit 2 naming it, never not_dot_product on correct code."""
+
+    class Local(nn.Module):
+        def __init__(self, d=32, heads=4, half=2):
+            super().__init__()
+            self.h, self.hd, self.half = heads, d // heads, half
+            self.Wqkv, self.Wo = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+        def forward(self, x):
+            b, n, d = x.shape
+            q, k, v = self.Wqkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+            i = torch.arange(n)
+            far = (i[:, None] - i[None, :]).abs() > self.half
+            if fused:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=~far)
+            else:
+                s = (q @ k.transpose(-2, -1) / math.sqrt(self.hd)).masked_fill(far, float("-inf"))
+                out = s.softmax(-1) @ v
+            return self.Wo(out.transpose(1, 2).reshape(b, n, d))
+
+    with pytest.raises(AttnScopeError, match="not supported yet: a bidirectional sliding"):
+        check(Local)

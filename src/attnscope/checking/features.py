@@ -36,7 +36,8 @@ class Unsupported(AttnScopeError):
 def mask_shape(hidden: T) -> tuple[str, int] | None:
     """What a hidden-cells pattern is, on its last two axes: ``("causal", d)`` when it hides
     keys ``j - i >= d``, ``("anti-causal", d)`` when it hides ``j - i <= d``, ``("window",
-    w)`` for a causal band ``w`` keys wide (the query included), or None."""
+    w)`` for a causal band ``w`` keys wide (the query included), ``("band", h)`` for keys
+    within ``h`` positions on either side (bidirectional local attention), or None."""
     if hidden.dim() < 2:
         return None
     h = hidden.reshape(-1, *hidden.shape[-2:])[0]
@@ -55,6 +56,9 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
         for d in (0, 2):  # a window whose diagonal is off: the window all the same (a mistake)
             if torch.equal(h, ones.triu(d) | ones.tril(-w)):
                 return ("window", w)
+    for half in range(1, n - 1):  # keys within `half` positions on either side (local)
+        if torch.equal(h, ones.triu(half + 1) | ones.tril(-half - 1)):
+            return ("band", half)
     return None
 
 
@@ -167,7 +171,7 @@ class Features:
             if evidence is None:
                 continue
             kind, detail = evidence
-            if kind == "bias-learned":
+            if kind in ("bias-learned", "band"):
                 self._refuse(detail, op.location)
             if kind == "bias":
                 s.bias = BiasSeen(self._bias_seen, tuple(op.output.shape), op.location)
@@ -262,6 +266,12 @@ class Features:
         if kind == "window":
             self.window_seen = d
             return ("window", f"each query sees {d} keys, itself included")
+        if kind == "band":
+            return (
+                "band",
+                f"a bidirectional sliding window (local attention: each query "
+                f"sees the keys within {d} positions on either side, {how})",
+            )
         return ("mask", f"a triangular mask ({how})")
 
     def _fused_masks(self, core: Core) -> None:
@@ -298,6 +308,8 @@ class Features:
                 found = self._judge_hidden(~torch.isfinite(m) | (m < -1e4), "an additive attn_mask")
             if found is not None:
                 kind, detail = found
+                if kind == "band":
+                    self._refuse(detail, op.location)
                 if kind == "window":
                     self.s.window = (self.window_seen, op.location)
                     detail = f"a sliding-window mask ({detail})"
