@@ -281,3 +281,62 @@ def test_hf_siglip_attention_takes_batched_input_only():
     report = check(lambda: mod.SiglipAttention(cfg))
     assert report.ok, report.to_text(color=False)
     assert any("accepts only batched" in n for n in report.notes)
+
+
+def test_hf_llama_with_yarn_rope_scaling_carries_its_attention_factor():
+    """YaRN's rotary class folds an attention factor into cos and sin (both sides): the
+    scores grow by its square, by design; no wrong_scale on correct code."""
+    rope = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+    }
+    try:
+        cls, cfg = _hf(
+            "llama", "LlamaAttention", "LlamaConfig", num_key_value_heads=2, rope_parameters=rope
+        )
+    except (TypeError, ValueError):  # older transformers: rope_scaling
+        cls, cfg = _hf(
+            "llama", "LlamaAttention", "LlamaConfig", num_key_value_heads=2, rope_scaling=rope
+        )
+    cfg.max_position_embeddings = 256
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["rope"]["pairing"] == "half"
+
+
+def test_hf_phi_decoder_layer_keeps_its_config_in_its_attention():
+    """The model's rotary class is built from the config the attention holds (Phi's
+    decoder layer has none of its own); parallel attention and MLP, QK LayerNorm."""
+    mod = pytest.importorskip("transformers.models.phi.modeling_phi")
+    cfg = transformers.PhiConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        partial_rotary_factor=0.5,
+        qk_layernorm=True,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: mod.PhiDecoderLayer(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.layer == "self_attn"
+    assert report.structure["rope"]["fraction"] == 0.5
+
+
+def test_hf_gemma3_decoder_layer_asks_its_rotary_for_its_layer_type():
+    cls, cfg = _hf(
+        "gemma3",
+        "Gemma3DecoderLayer",
+        "Gemma3TextConfig",
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert (report.structure["window"], report.structure["qk_norm"]) == (4, "per-head")

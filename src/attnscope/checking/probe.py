@@ -275,6 +275,7 @@ class ModuleProbe:
         self.exit: nn.Module | None = None
         self.structure: Structure | None = None
         self._hf_rotary: nn.Module | None = None
+        self._hf_layer_type: str | None = None
         self._rope_probe: list[Call] | None = None
         self.cross = False  # keys and values from another sequence (a second input)
         self._second_read = False
@@ -637,17 +638,43 @@ class ModuleProbe:
             stem = type(m).__name__.removesuffix("Attention").removesuffix("DecoderLayer")
             names = [n for n in dir(module) if n.endswith("RotaryEmbedding")]
             names.sort(key=lambda n: n != f"{stem}RotaryEmbedding")
-            config = getattr(m, "config", None)
+            # a decoder layer may keep its config only in its attention (Phi)
+            config = getattr(m, "config", None) or next(
+                (c for sub in m.modules() if (c := getattr(sub, "config", None)) is not None),
+                None,
+            )
             if not names or config is None:
                 raise AttnScopeError(
                     f"{self.tgt.text}: takes position_embeddings, and no rotary embedding class "
                     "and config were found to make them"
                 )
             self._hf_rotary = getattr(module, names[0])(config=config)
+            self._hf_layer_type = self._rotary_layer_type(self._hf_rotary, config)
         b, n = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
         positions = torch.arange(n).unsqueeze(0).expand(b, n)
-        cos, sin = self._hf_rotary(x if x.dim() == 3 else x.unsqueeze(0), positions)
+        more = () if self._hf_layer_type is None else (self._hf_layer_type,)
+        cos, sin = self._hf_rotary(x if x.dim() == 3 else x.unsqueeze(0), positions, *more)
         return (cos, sin) if x.dim() == 3 else (cos[0], sin[0])
+
+    def _rotary_layer_type(self, rotary: nn.Module, config) -> str | None:
+        """The layer type a model's rotary class is asked for (Gemma 3 keeps tables per
+        ``config.layer_types`` entry: local and global layers turn by other bases), for
+        this layer's index; None where its forward takes no layer type."""
+        try:
+            if "layer_type" not in inspect.signature(rotary.forward).parameters:
+                return None
+        except (TypeError, ValueError):
+            return None
+        types = list(getattr(config, "layer_types", None) or [])
+        idx = next(
+            (
+                i
+                for sub in self.module.modules()
+                if isinstance(i := getattr(sub, "layer_idx", None), int)
+            ),
+            0,
+        )
+        return types[idx] if 0 <= idx < len(types) else (types[0] if types else None)
 
     def _invoke(self, x32: torch.Tensor, causal_hint: bool = False):
         if self.entry is not None:
@@ -1139,19 +1166,33 @@ class ModuleProbe:
                     return v
         return None
 
-    def _declared_scale(self) -> tuple[float | None, str]:
+    def _declared_scale(self, head_dim: int) -> tuple[float | None, str]:
         """A scale the layer's (or its model's) configuration declares in place of
         1/sqrt(d_k): Gemma's ``query_pre_attn_scalar`` (scores times its 1/sqrt), Granite's
-        ``attention_multiplier``; ``(None, "")`` where none is declared."""
+        ``attention_multiplier``; times the square of the ``attention_scaling`` that the
+        model's own rotary class folds into its cos and sin (YaRN's attention factor: both
+        queries and keys carry it); ``(None, "")`` where none is declared."""
+        scale, source = None, ""
         m = self.entry.module if self.entry is not None else self.module
         for holder in (getattr(m, "config", None), getattr(self.module, "config", None)):
             v = getattr(holder, "query_pre_attn_scalar", None)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-                return v**-0.5, f"1/sqrt(query_pre_attn_scalar) = 1/sqrt({v:g})"
+                scale, source = v**-0.5, f"1/sqrt(query_pre_attn_scalar) = 1/sqrt({v:g})"
+                break
             v = getattr(holder, "attention_multiplier", None)
             if isinstance(v, float) and v > 0:
-                return v, f"attention_multiplier = {v:g}"
-        return None, ""
+                scale, source = v, f"attention_multiplier = {v:g}"
+                break
+        factor = getattr(self._hf_rotary, "attention_scaling", None)
+        if self._hf_layer_type is not None:  # one factor per layer type (Gemma 3)
+            factor = getattr(self._hf_rotary, f"{self._hf_layer_type}_attention_scaling", factor)
+        if isinstance(factor, (int, float)) and factor > 0 and not math.isclose(factor, 1.0):
+            scale = (scale or head_dim**-0.5) * factor * factor
+            source = (
+                f"{source or f'1/sqrt(d_k) = 1/sqrt({head_dim})'} times the square of the "
+                f"rotary embedding's attention_scaling {factor:.4g} (in its cos and sin)"
+            )
+        return scale, source
 
     def _declared_causal(self) -> str | None:
         """A causal layer whose computation shows no mask: it says so in a flag, or holds a
@@ -1202,8 +1243,8 @@ class ModuleProbe:
         else:
             heads = [1]
         out = []
-        scale, source = self._declared_scale()
         for h in heads:
+            scale, source = self._declared_scale(b.d_out // h)
             for w in b.candidates:
                 hd = b.d_out // h
                 k_width = w.k.shape[1]
