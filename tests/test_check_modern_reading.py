@@ -441,3 +441,113 @@ def test_a_bidirectional_local_window_is_refused_not_judged(fused):
 
     with pytest.raises(AttnScopeError, match="not supported yet: a bidirectional sliding"):
         check(Local)
+
+
+class _BareBlock(nn.Module):
+    """A block whose attention and MLP read bare parameters (no submodules but a norm):
+    the output projection applied as ``F.linear(ctx, w_o)`` or ``ctx @ w_o.T + b_o``."""
+
+    def __init__(self, matmul: bool, scale: float | None = None, d: int = 24, heads: int = 3):
+        super().__init__()
+        self.h, self.matmul, self.scale = heads, matmul, scale
+        g = torch.Generator().manual_seed(5)
+        self.w_qkv = nn.Parameter(torch.randn(3 * d, d, generator=g) / d**0.5)
+        self.w_o = nn.Parameter(torch.randn(d, d, generator=g) / d**0.5)
+        self.b_o = nn.Parameter(torch.randn(d, generator=g) * 0.1)
+        self.ln = nn.LayerNorm(d)
+        self.w1 = nn.Parameter(torch.randn(2 * d, d, generator=g) / d**0.5)
+        self.w2 = nn.Parameter(torch.randn(d, 2 * d, generator=g) / d**0.5)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        qkv = F.linear(self.ln(x), self.w_qkv).view(b, n, 3, self.h, d // self.h)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        o = o.transpose(1, 2).reshape(b, n, d)
+        a = o @ self.w_o.T + self.b_o if self.matmul else F.linear(o, self.w_o, self.b_o)
+        x = x + a
+        return x + F.linear(F.gelu(F.linear(x, self.w1)), self.w2)
+
+
+@pytest.mark.parametrize(
+    "matmul,scale,want",
+    [
+        (False, None, ("ok",)),
+        (True, None, ("ok",)),
+        (True, 1.0, ("scaled_scores", "missing_scale")),
+    ],
+)
+def test_inline_attention_with_a_bare_parameter_output_projection(matmul, scale, want):
+    report = check(lambda: _BareBlock(matmul, scale))
+    assert outcome(report) == want, report.to_text(color=False)
+    assert report.kind == "causal-multihead", report.kind_reason
+    assert any("computed in its own forward" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_module_in_another_float_type_is_checked_on_a_float32_copy(dtype):
+    """Checkpoints load in bfloat16: such a layer is checked (not refused for its float32
+    probes), its mistakes still named, and the module handed in is left as it was."""
+    from attnscope import GroupedQueryAttention
+
+    layer = GroupedQueryAttention(32, 32, 4, 2).to(dtype)
+    report = check(layer)
+    assert report.ok, report.to_text(color=False)
+    assert any("checked in float32" in n for n in report.notes)
+    assert next(layer.parameters()).dtype == dtype
+    buggy = _PreAttnScalar(24, 8).to(dtype)  # the declared scale ignored
+    assert outcome(check(buggy)) == ("scaled_scores", "wrong_scale")
+
+
+class _TimeFirstAttention(nn.Module):
+    """fairseq-style: takes ``(tokens, batch, d)`` and says so in its own code."""
+
+    def __init__(self, embed_dim: int = 32, num_heads: int = 4):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, embed_dim // num_heads
+        self.scaling = self.head_dim**-0.5
+        self.q_proj, self.k_proj = nn.Linear(embed_dim, embed_dim), nn.Linear(embed_dim, embed_dim)
+        self.v_proj = nn.Linear(embed_dim, embed_dim)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, query, key, value, key_padding_mask=None):
+        tgt_len, bsz, embed_dim = query.size()
+        q = self.q_proj(query) * self.scaling
+        k, v = self.k_proj(key), self.v_proj(value)
+        q, k, v = (
+            t.contiguous().view(-1, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+            for t in (q, k, v)
+        )
+        w = F.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1)
+        out = torch.bmm(w, v).transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim)
+        return self.out_proj(out), w
+
+
+class _TimeFirstLayer(nn.Module):
+    def __init__(self, mha: nn.Module | None = None, d: int = 32):
+        super().__init__()
+        self.self_attn = mha or _TimeFirstAttention(d)
+        self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        r = x
+        x, _ = self.self_attn(x, x, x)
+        x = self.ln(r + x)
+        return x + self.fc(x)
+
+
+def test_a_layer_that_says_it_takes_tokens_first_is_called_so():
+    """Fed batch first it would attend across the batch (batch_mixing on correct code):
+    its own code (``tgt_len, bsz, embed_dim = query.size()``) says it is tokens first, and
+    a wrapper that hands it its own input is tokens first too."""
+    for make, layer in ((_TimeFirstAttention, None), (_TimeFirstLayer, "self_attn")):
+        report = check(make)
+        assert report.ok, report.to_text(color=False)
+        assert report.layer == layer
+
+
+def test_a_batch_first_wrapper_around_torch_mha_without_batch_first_still_mixes():
+    """nn.MultiheadAttention says nothing in its code: handed (batch, tokens, d) by a batch
+    first wrapper, it attends across the batch, and that is named."""
+    report = check(lambda: _TimeFirstLayer(nn.MultiheadAttention(32, 4)))
+    assert outcome(report) == ("scores", "batch_mixing"), report.to_text(color=False)

@@ -19,13 +19,16 @@ none is seen, from outputs that ignore later tokens).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
+import re
 import sys
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import AttnScopeError, describe
 from ..stages import Kind, Stage
@@ -36,7 +39,7 @@ from .dataflow import LAYOUT_OPS, Graph
 from .features import Unsupported
 from .judge import Call, Judge
 from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
-from .record import Op, Recorder
+from .record import Op, Recorder, tensors_in
 from .reference import Spec, Weights, project, split
 from .report import CheckReport, single_head
 from .rotary import Rope, as_heads, fit_tables, read_rope
@@ -151,6 +154,40 @@ class _Captured(BaseException):
         self.output = output
 
 
+_TIME_WORDS = {"tgt_len", "src_len", "seq_len", "seqlen", "time", "t", "l", "q_len", "sq", "s"}
+_BATCH_WORDS = {"bsz", "batch", "batch_size", "b", "bs"}
+#: "Time x Batch x Channel", "T x B x C", "(seq_len, batch, embed_dim)"
+_TXB = re.compile(
+    r"\b(?:T|Time|seq_len|tgt_len|src_len)\s*(?:x|×)\s*(?:B|Batch|bsz)\b"
+    r"|\((?:seq_len|tgt_len|src_len)\s*,\s*(?:batch|bsz|batch_size)\s*,"
+)
+
+
+def _says_tokens_first(m: nn.Module, params: list) -> bool:
+    """Whether a module says it takes ``(tokens, batch, d)`` (fairseq and Megatron layers,
+    which have no ``batch_first`` to say so): its forward unpacks its first input as
+    ``tgt_len, bsz, embed_dim = query.size()``, or its docstring reads "Time x Batch x
+    Channel". Fed batch first, such a layer attends across the batch: the code's own words
+    break the tie with a batch-first layer that mixes its sequences (a mistake)."""
+    if not params or hasattr(m, "batch_first"):  # it says so in its attribute, if at all
+        return False
+    forward = type(m).forward
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    first = re.escape(params[0].name)
+    unpack = re.search(
+        rf"^\s*(\w+)\s*,\s*(\w+)\s*,\s*\w+\s*=\s*{first}\.(?:size\(\)|shape\b)",
+        source,
+        re.MULTILINE,
+    )
+    if unpack is not None:
+        return unpack[1].lower() in _TIME_WORDS and unpack[2].lower() in _BATCH_WORDS
+    docs = (forward.__doc__ or "") + (type(m).__doc__ or "")
+    return _TXB.search(docs) is not None
+
+
 def _batch_major(rec: Recorder, node: int, b: int, n: int) -> bool:
     """Whether a ``(B * T, d)`` tensor was flattened from ``(B, T, ...)`` (sequence after
     sequence), not from tokens first ``(T, B, ...)``: read where its rows were merged."""
@@ -207,6 +244,44 @@ def _whole(rec: Recorder, graph: Graph, node: int, numel: int) -> torch.Tensor:
 
 class _Exited(_Captured):
     """The output of attention computed inline in a block, taken (see ``ModuleProbe.exit``)."""
+
+
+class _TakeAt(TorchFunctionMode):
+    """Takes the output of the call that applies an output projection held as bare
+    parameters (``F.linear(ctx, self.w_o)``, ``ctx @ self.w_o.T``, then ``+ self.b_o``):
+    the first call that reads a tensor made from the weights alone together with another
+    tensor, and its bias add where the call did not take the bias."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor]):
+        super().__init__()
+        self.weights, self.biases = weights, biases
+
+    def fresh(self) -> _TakeAt:
+        return _TakeAt(self.weights, self.biases)
+
+    def __enter__(self):
+        self.derived = {id(w): w for w in self.weights}  # kept alive: ids stay theirs
+        self.bias_ids = {id(b) for b in self.biases}
+        self.taken = None
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        ids = {id(t) for t in [*tensors_in(args), *tensors_in(kwargs)]}
+        if not ids or not isinstance(result, torch.Tensor):
+            return result
+        if self.taken is not None:
+            if id(self.taken) in ids and ids & self.bias_ids:
+                raise _Exited(result)
+            return result
+        if ids <= self.derived.keys():  # a view or transpose of the weight
+            self.derived[id(result)] = result
+        elif ids & self.derived.keys():
+            if not self.bias_ids or ids & self.bias_ids:
+                raise _Exited(result)
+            self.taken = result
+        return result
 
 
 class _Entry:
@@ -272,7 +347,7 @@ class ModuleProbe:
         self.entry: _Entry | None = None
         #: attention computed inline in a block (no module of its own): the submodule that
         #: makes its output (the output projection), where the attention's output is taken
-        self.exit: nn.Module | None = None
+        self.exit: nn.Module | _TakeAt | None = None
         self.structure: Structure | None = None
         self._hf_rotary: nn.Module | None = None
         self._hf_layer_type: str | None = None
@@ -403,6 +478,7 @@ class ModuleProbe:
                 if st.call is not None:
                     self.entry = self._entry(st, rec, batch)
                     self.notes.append(f"the attention layer checked is {st.layer!r}")
+                    self._inherit_tokens_first()
                 else:
                     self.exit = self._exit(st, rec, out)
                 return st
@@ -426,6 +502,29 @@ class ModuleProbe:
             )
         raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors[:3]))
 
+    def _inherit_tokens_first(self) -> None:
+        """A layer that says it takes ``(tokens, batch, d)`` (see :func:`_says_tokens_first`)
+        and is handed its wrapper's input in the layout the wrapper got it: the wrapper
+        works tokens first too (a fairseq encoder layer around its attention)."""
+        e = self.entry
+        if e is None or e.tokens_first or e.grid is not None or e.flat or self.adapter["seq_first"]:
+            return
+        try:
+            params = [
+                p
+                for p in inspect.signature(e.module.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            return
+        if _says_tokens_first(e.module, params):
+            self.adapter["seq_first"] = True
+            e.tokens_first = True
+            self.notes.append(
+                f"{e.path!r} says it takes (tokens, batch, d), and is handed its wrapper's "
+                "input as it comes: both are called tokens first"
+            )
+
     def _exit(self, st: Structure, rec: Recorder, out) -> nn.Module | None:
         """Attention computed in the target's own forward (a method of a block, no module of
         its own) whose output then goes on (a residual, an MLP): the submodule that makes
@@ -437,17 +536,13 @@ class ModuleProbe:
         if st.out is None or not isinstance(out, torch.Tensor):
             return None
         end = st.out.op.index
-        # the innermost submodule call that holds the output projection and ends with it
-        calls = sorted(
-            (c for c in rec.modules if c.path and c.start <= end < c.end),
-            key=lambda c: -c.depth,
-        )
-        if not calls or calls[0].end - 1 != end:
-            return None
         node = rec.node_of(out)
         if node is None or node == end or rec.ops[end].output.shape != out.shape:
             return None
-        past = Graph(rec).ancestors(node, stop={end})
+        # the input reached around the attention: not through the output projection, nor
+        # through any core (heads computed apart, their projected outputs summed, are not)
+        cores = {op.index for c in st.cores for op in (c.score, c.context, c.fused) if op}
+        past = Graph(rec).ancestors(node, stop={end} | cores)
         residual = any(rec.ops[i].leaf == "input:0" for i in past if i != end)
         # a block: its input normed before the projections (pre-norm), or weights of its own
         # after the attention (an MLP, a norm); a layer that adds its input to its own
@@ -457,11 +552,27 @@ class ModuleProbe:
         )
         if end not in past or not residual or not (st.pre or more):
             return None
+        # the innermost submodule call that holds the output projection and ends with it,
+        # else the projection's own parameters, where the call that reads them is taken
+        calls = sorted(
+            (c for c in rec.modules if c.path and c.start <= end < c.end),
+            key=lambda c: -c.depth,
+        )
+        if calls and calls[0].end - 1 == end:
+            where, exit_ = repr(calls[0].path), calls[0].module
+        else:
+            params = dict(self.module.named_parameters())
+            found = [params[n] for n in st.out.params if n in params]
+            weights = [t for t in found if t.dim() == 2]
+            if not weights:
+                return None
+            where = f"the call that applies {', '.join(st.out.params)}"
+            exit_ = _TakeAt(weights, [t for t in found if t.dim() == 1])
         self.notes.append(
             "its attention is computed in its own forward, and what follows it (a residual, "
-            f"more layers) is not checked: the attention's output is taken at {calls[0].path!r}"
+            f"more layers) is not checked: the attention's output is taken at {where}"
         )
-        return calls[0].module
+        return exit_
 
     def _required_beyond_input(self) -> list[str]:
         """Required forward arguments after the first that are not another sequence: a
@@ -589,7 +700,7 @@ class ModuleProbe:
             params = []
         required = [p for p in params if p.default is inspect.Parameter.empty]
         # tokens first, (T, B, d): torch's default, and any module that says so
-        seq_first = getattr(m, "batch_first", True) is False
+        seq_first = getattr(m, "batch_first", True) is False or _says_tokens_first(m, params)
         hf = type(m).__module__.startswith("transformers") and any(
             p.name == "attention_mask" for p in params
         )
@@ -715,14 +826,18 @@ class ModuleProbe:
         else:
             args = (inp,)
         handle = None
-        if self.exit is not None:  # attention inline in a block: its output is taken here
+        taking = contextlib.nullcontext()
+        if isinstance(self.exit, nn.Module):  # attention inline in a block: output taken here
 
             def leave(mod, args, out):
                 raise _Exited(out)
 
             handle = self.exit.register_forward_hook(leave)
+        elif self.exit is not None:
+            taking = self.exit.fresh()
         try:
-            result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
+            with taking:
+                result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
         except _Exited as got:
             result, err = got.output, None
         finally:
