@@ -551,3 +551,36 @@ def test_a_batch_first_wrapper_around_torch_mha_without_batch_first_still_mixes(
     first wrapper, it attends across the batch, and that is named."""
     report = check(lambda: _TimeFirstLayer(nn.MultiheadAttention(32, 4)))
     assert outcome(report) == ("scores", "batch_mixing"), report.to_text(color=False)
+
+
+@pytest.mark.parametrize("pattern", ["sink", "prefix", "documents"])
+def test_a_mask_of_a_designed_pattern_not_modelled_is_refused(pattern):
+    """Attention sinks (a window plus the first token), a prefix-LM mask, packed documents:
+    correct by their own design and not textbook attention; exit 2 naming the mask, never
+    not_dot_product or mask_diagonal on them."""
+
+    class Masked(nn.Module):
+        def __init__(self, d=32, heads=4):
+            super().__init__()
+            self.h, self.hd = heads, d // heads
+            self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+        def forward(self, x):
+            b, n, d = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+            ones = torch.ones(n, n, dtype=torch.bool)
+            hide = ones.triu(1)
+            if pattern == "sink":
+                hide = hide | ones.tril(-3)
+                hide[:, 0] = False
+            elif pattern == "prefix":
+                hide = hide.clone()
+                hide[:3, :3] = False
+            else:
+                doc = torch.arange(n) >= n // 2
+                hide = hide | (doc[:, None] != doc[None, :])
+            s = (q @ k.transpose(-2, -1) / math.sqrt(self.hd)).masked_fill(hide, float("-inf"))
+            return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+    with pytest.raises(AttnScopeError, match="not supported yet: a mask of another pattern"):
+        check(Masked)

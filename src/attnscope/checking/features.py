@@ -62,6 +62,18 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
     return None
 
 
+def _other_pattern(hidden: T) -> bool:
+    """A token x token mask that hides some keys and not others, the same in every batch
+    and head (a designed pattern, not padding), of no shape :func:`mask_shape` reads."""
+    if hidden.dim() < 2 or hidden.shape[-1] != hidden.shape[-2] or hidden.shape[-1] < 3:
+        return False
+    flat = hidden.reshape(-1, *hidden.shape[-2:]).bool()
+    if not bool((flat == flat[:1]).all()):
+        return False
+    h = flat[0]
+    return bool(h.any()) and not bool(h.all()) and not bool(h.all(-1).any())
+
+
 @dataclass
 class BiasSeen:
     """A position bias added to the scores: its tensor as recorded, the shape of the scores
@@ -261,6 +273,12 @@ class Features:
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
         shape = mask_shape(hidden)
         if shape is None:
+            if _other_pattern(hidden):
+                return (
+                    "band",
+                    f"a mask of another pattern than causal, a sliding window or none "
+                    f"(attention sinks, a prefix, packed documents?: {how})",
+                )
             return None
         kind, d = shape
         if kind == "window":
