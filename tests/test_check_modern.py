@@ -340,3 +340,23 @@ def test_hf_gemma3_decoder_layer_asks_its_rotary_for_its_layer_type():
     report = check(lambda: cls(cfg, layer_idx=0))
     assert report.ok, report.to_text(color=False)
     assert (report.structure["window"], report.structure["qk_norm"]) == (4, "per-head")
+
+
+@pytest.mark.parametrize("cap", [50.0, 5.0])
+def test_hf_gemma2_attention_with_its_logit_softcapping(cap):
+    """Gemma 2 declares attn_logit_softcapping and applies cap * tanh(scores / cap): held
+    to it (a small cap read as wrong_scale or not_dot_product before)."""
+    cls, cfg = _hf(
+        "gemma2",
+        "Gemma2Attention",
+        "Gemma2Config",
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=cap,
+        num_hidden_layers=2,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=1))
+    assert report.ok, report.to_text(color=False)
+    assert any("soft-capping" in n for n in report.notes)

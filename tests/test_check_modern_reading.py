@@ -584,3 +584,20 @@ def test_a_mask_of_a_designed_pattern_not_modelled_is_refused(pattern):
 
     with pytest.raises(AttnScopeError, match="not supported yet: a mask of another pattern"):
         check(Masked)
+
+
+def test_a_tanh_on_the_scores_with_no_cap_declared_is_refused():
+    class Capped(nn.Module):
+        def __init__(self, d=32, heads=4):
+            super().__init__()
+            self.h, self.hd = heads, d // heads
+            self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+        def forward(self, x):
+            b, n, d = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+            s = torch.tanh(q @ k.transpose(-2, -1) / math.sqrt(self.hd) / 2.0) * 2.0
+            return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+    with pytest.raises(AttnScopeError, match="not supported yet: logit soft-capping"):
+        check(Capped)

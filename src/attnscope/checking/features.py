@@ -177,6 +177,8 @@ class Features:
                 reach.add(op.index)
         for i in sorted(reach):
             op = self.ops[i]
+            if op.name == "tanh" and s.softcap is None:
+                s.softcap = op.location or "the scores"
             if op.name not in MASKING_OPS or i == start:
                 continue
             evidence = self._mask_of(op, reach)

@@ -1281,6 +1281,33 @@ class ModuleProbe:
                     return v
         return None
 
+    def _softcap(self) -> float | None:
+        """The logit soft-capping the layer (or its configuration) declares, where its
+        scores go through a tanh (Gemma 2's ``attn_logit_softcapping``); a tanh on the
+        scores with none declared is not modelled: refused."""
+        st = self.structure
+        m = self.entry.module if self.entry is not None else self.module
+        declared = None
+        for holder in (
+            m,
+            getattr(m, "config", None),
+            self.module,
+            getattr(self.module, "config", None),
+        ):
+            v = getattr(holder, "attn_logit_softcapping", None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                declared = float(v)
+                break
+        if st is None or st.softcap is None:
+            return None
+        if declared is None:
+            raise Unsupported(
+                f"not supported yet: logit soft-capping (a tanh on the scores) at {st.softcap}, "
+                "with no attn_logit_softcapping declared"
+            )
+        self.notes.append(f"logit soft-capping at {declared:g} (attn_logit_softcapping)")
+        return declared
+
     def _declared_scale(self, head_dim: int) -> tuple[float | None, str]:
         """A scale the layer's (or its model's) configuration declares in place of
         1/sqrt(d_k): Gemma's ``query_pre_attn_scalar`` (scores times its 1/sqrt), Granite's
@@ -1358,6 +1385,7 @@ class ModuleProbe:
         else:
             heads = [1]
         out = []
+        softcap = self._softcap()
         for h in heads:
             scale, source = self._declared_scale(b.d_out // h)
             for w in b.candidates:
@@ -1377,6 +1405,7 @@ class ModuleProbe:
                     alibi=self._alibi(h),
                     declared_scale=scale,
                     scale_source=source,
+                    softcap=softcap,
                 )
                 out.append((w, spec))
         if not out:

@@ -60,6 +60,9 @@ class Spec:
     #: ``query_pre_attn_scalar``), and in words where it comes from
     declared_scale: float | None = None
     scale_source: str = ""
+    #: logit soft-capping the layer declares (Gemma 2): ``cap * tanh(logits / cap)`` on the
+    #: scaled (and biased) scores, before the mask
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind.of(self.kind))
@@ -298,6 +301,8 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
         else:
             biased = scaled + bias.to(scores)
         logits = biased = sub.get("biased_scores", biased)
+    if spec.softcap is not None:
+        logits = spec.softcap * torch.tanh(logits / spec.softcap)
     masked = None
     if spec.causal:
         if mut.mask:
