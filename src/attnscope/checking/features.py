@@ -179,6 +179,12 @@ class Features:
             op = self.ops[i]
             if op.name == "tanh" and s.softcap is None:
                 s.softcap = op.location or "the scores"
+            if op.name in ("cat", "concat", "concatenate") and i != start:
+                joined = [a for a in op.args if not self.g.tainted[a]]
+                if joined:  # a column joined to the scores: GPT-OSS's sinks, an extra zero
+                    learned = any(self.g.param[a] for a in joined)
+                    what = "a learned logit (attention sink)" if learned else "a constant logit"
+                    self._refuse(f"{what} joined to the scores before the softmax", op.location)
             if op.name not in MASKING_OPS or i == start:
                 continue
             evidence = self._mask_of(op, reach)
