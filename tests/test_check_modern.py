@@ -360,3 +360,46 @@ def test_hf_gemma2_attention_with_its_logit_softcapping(cap):
     report = check(lambda: cls(cfg, layer_idx=1))
     assert report.ok, report.to_text(color=False)
     assert any("soft-capping" in n for n in report.notes)
+
+
+def test_hf_gpt_oss_attention_sinks_are_refused_not_judged():
+    """A learned logit per head joined to the scores before the softmax (GPT-OSS): not
+    textbook attention, not modelled; exit 2 naming it (not_softmax on it before)."""
+    mod = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    cfg = transformers.GptOssConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    cfg._attn_implementation = "eager"
+
+    def make():
+        layer = mod.GptOssAttention(cfg, layer_idx=1)
+        with torch.no_grad():
+            layer.sinks.normal_()
+        return layer
+
+    with pytest.raises(AttnScopeError, match="attention sink"):
+        check(make)
+
+
+def test_hf_llama4_text_attention_takes_one_complex_table():
+    """Llama 4's rotary class returns one complex freqs_cis, not (cos, sin): handed as the
+    model hands it (the check could not be completed before); its L2 QK norm is read."""
+    cls, cfg = _hf(
+        "llama4",
+        "Llama4TextAttention",
+        "Llama4TextConfig",
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["rope"]["pairing"] == "interleaved"

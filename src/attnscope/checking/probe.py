@@ -740,7 +740,7 @@ class ModuleProbe:
             out["residual"] = torch.zeros_like(x)
         return out
 
-    def _hf_position_embeddings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hf_position_embeddings(self, x: torch.Tensor):
         """``(cos, sin)`` for positions 0..n-1 from the model's own rotary class, built from
         the layer's config, as the model computes them before calling its layers."""
         if self._hf_rotary is None:
@@ -764,7 +764,10 @@ class ModuleProbe:
         b, n = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
         positions = torch.arange(n).unsqueeze(0).expand(b, n)
         more = () if self._hf_layer_type is None else (self._hf_layer_type,)
-        cos, sin = self._hf_rotary(x if x.dim() == 3 else x.unsqueeze(0), positions, *more)
+        made = self._hf_rotary(x if x.dim() == 3 else x.unsqueeze(0), positions, *more)
+        if isinstance(made, torch.Tensor):  # one complex table (Llama 4's freqs_cis)
+            return made if x.dim() == 3 else made[0]
+        cos, sin = made
         return (cos, sin) if x.dim() == 3 else (cos[0], sin[0])
 
     def _rotary_layer_type(self, rotary: nn.Module, config) -> str | None:
