@@ -601,3 +601,21 @@ def test_a_tanh_on_the_scores_with_no_cap_declared_is_refused():
 
     with pytest.raises(AttnScopeError, match="not supported yet: logit soft-capping"):
         check(Capped)
+
+
+def test_a_tanh_in_the_softmaxs_place_is_still_not_softmax():
+    """Soft-capping is a tanh followed by a softmax; a tanh instead of it is a mistake."""
+
+    class TanhWeights(nn.Module):
+        def __init__(self, d=32, heads=4):
+            super().__init__()
+            self.h, self.hd = heads, d // heads
+            self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+        def forward(self, x):
+            b, n, d = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+            w = torch.tanh(q @ k.transpose(-2, -1) / math.sqrt(self.hd))
+            return self.o((w @ v).transpose(1, 2).reshape(b, n, d))
+
+    assert outcome(check(TanhWeights)) == ("weights", "not_softmax")

@@ -177,7 +177,8 @@ class Features:
                 reach.add(op.index)
         for i in sorted(reach):
             op = self.ops[i]
-            if op.name == "tanh" and s.softcap is None:
+            if op.name == "tanh" and s.softcap is None and self._softmax_after(i, reach):
+                # capped, then a softmax (a tanh in the softmax's place is not_softmax)
                 s.softcap = op.location or "the scores"
             if op.name in ("cat", "concat", "concatenate") and i != start:
                 joined = [a for a in op.args if not self.g.tainted[a]]
@@ -202,6 +203,16 @@ class Features:
                 detail = f"a sliding-window mask ({detail})"
             if s.causal is None:
                 s.causal = f"{detail} at {op.location}"
+
+    def _softmax_after(self, i: int, reach: set[int]) -> bool:
+        """Whether a softmax (or its exp) is made from this op's output on the score path."""
+        made = {i}
+        for op in self.ops[i + 1 :]:
+            if op.index in reach and any(a in made for a in op.args):
+                if op.name in ("softmax", "_softmax", "log_softmax", "exp", "exp2"):
+                    return True
+                made.add(op.index)
+        return False
 
     def _added_in_product(self, op: Op) -> None:
         """``baddbmm(bias, q, k)``: a tensor added in the scores' own product (zeros, a
