@@ -238,3 +238,168 @@ def test_every_variant_of_attnscopes_own_layer_passes_with_its_structure(name):
     if layer.rope:
         assert s["rope"]["pairing"] == layer.rope_pairing
         assert s["rope"]["fraction"] == layer.rope_fraction
+
+
+def test_hf_gemma2_attention_scales_by_its_query_pre_attn_scalar():
+    """Gemma 2 declares its scale (query_pre_attn_scalar, here not the head size): correct."""
+    cls, cfg = _hf(
+        "gemma2",
+        "Gemma2Attention",
+        "Gemma2Config",
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=None,
+        num_hidden_layers=2,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=1))  # a full-attention layer
+    assert report.ok, report.to_text(color=False)
+
+
+@pytest.mark.parametrize("multi_query", [True, False])
+def test_hf_gpt_bigcode_block_gets_the_models_causal_mask(multi_query):
+    """An HF block around an attention that takes its causal mask from the model: the block
+    is handed that mask, and passes it on (no missing_mask on correct code)."""
+    mod = pytest.importorskip("transformers.models.gpt_bigcode.modeling_gpt_bigcode")
+    cfg = transformers.GPTBigCodeConfig(n_embd=48, n_head=4, n_layer=1, multi_query=multi_query)
+    cfg._attn_implementation = "eager"
+    report = check(lambda: mod.GPTBigCodeBlock(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert (report.kind, report.layer) == ("causal-multihead", "attn")
+    assert report.structure["kv_heads"] == (1 if multi_query else 4)
+
+
+def test_hf_siglip_attention_takes_batched_input_only():
+    """SiglipAttention's (tokens, d) input runs and means something else (its heads are
+    split with transpose(1, 2)): set aside, the batched calls are judged, correct."""
+    mod = pytest.importorskip("transformers.models.siglip.modeling_siglip")
+    cfg = transformers.SiglipVisionConfig(
+        hidden_size=48, num_attention_heads=4, intermediate_size=64, num_hidden_layers=1
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: mod.SiglipAttention(cfg))
+    assert report.ok, report.to_text(color=False)
+    assert any("accepts only batched" in n for n in report.notes)
+
+
+def test_hf_llama_with_yarn_rope_scaling_carries_its_attention_factor():
+    """YaRN's rotary class folds an attention factor into cos and sin (both sides): the
+    scores grow by its square, by design; no wrong_scale on correct code."""
+    rope = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+    }
+    try:
+        cls, cfg = _hf(
+            "llama", "LlamaAttention", "LlamaConfig", num_key_value_heads=2, rope_parameters=rope
+        )
+    except (TypeError, ValueError):  # older transformers: rope_scaling
+        cls, cfg = _hf(
+            "llama", "LlamaAttention", "LlamaConfig", num_key_value_heads=2, rope_scaling=rope
+        )
+    cfg.max_position_embeddings = 256
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["rope"]["pairing"] == "half"
+
+
+def test_hf_phi_decoder_layer_keeps_its_config_in_its_attention():
+    """The model's rotary class is built from the config the attention holds (Phi's
+    decoder layer has none of its own); parallel attention and MLP, QK LayerNorm."""
+    mod = pytest.importorskip("transformers.models.phi.modeling_phi")
+    cfg = transformers.PhiConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        partial_rotary_factor=0.5,
+        qk_layernorm=True,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: mod.PhiDecoderLayer(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.layer == "self_attn"
+    assert report.structure["rope"]["fraction"] == 0.5
+
+
+def test_hf_gemma3_decoder_layer_asks_its_rotary_for_its_layer_type():
+    cls, cfg = _hf(
+        "gemma3",
+        "Gemma3DecoderLayer",
+        "Gemma3TextConfig",
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert (report.structure["window"], report.structure["qk_norm"]) == (4, "per-head")
+
+
+@pytest.mark.parametrize("cap", [50.0, 5.0])
+def test_hf_gemma2_attention_with_its_logit_softcapping(cap):
+    """Gemma 2 declares attn_logit_softcapping and applies cap * tanh(scores / cap): held
+    to it (a small cap read as wrong_scale or not_dot_product before)."""
+    cls, cfg = _hf(
+        "gemma2",
+        "Gemma2Attention",
+        "Gemma2Config",
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=cap,
+        num_hidden_layers=2,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=1))
+    assert report.ok, report.to_text(color=False)
+    assert any("soft-capping" in n for n in report.notes)
+
+
+def test_hf_gpt_oss_attention_sinks_are_refused_not_judged():
+    """A learned logit per head joined to the scores before the softmax (GPT-OSS): not
+    textbook attention, not modelled; exit 2 naming it (not_softmax on it before)."""
+    mod = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    cfg = transformers.GptOssConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    cfg._attn_implementation = "eager"
+
+    def make():
+        layer = mod.GptOssAttention(cfg, layer_idx=1)
+        with torch.no_grad():
+            layer.sinks.normal_()
+        return layer
+
+    with pytest.raises(AttnScopeError, match="attention sink"):
+        check(make)
+
+
+def test_hf_llama4_text_attention_takes_one_complex_table():
+    """Llama 4's rotary class returns one complex freqs_cis, not (cos, sin): handed as the
+    model hands it (the check could not be completed before); its L2 QK norm is read."""
+    cls, cfg = _hf(
+        "llama4",
+        "Llama4TextAttention",
+        "Llama4TextConfig",
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+    )
+    cfg._attn_implementation = "eager"
+    report = check(lambda: cls(cfg, layer_idx=0))
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["rope"]["pairing"] == "interleaved"

@@ -12,12 +12,6 @@ from attnscope import AttnScopeError, ModelReport, check
 #: round 7's first run left these open (its numbers are in the README): each is held as an
 #: expected failure, strict, so that the day it is fixed the test says so and leaves the list
 _OPEN = {
-    "b_baichuan2_sdpa_fast_path_drops_alibi": "the dropped ALiBi shows nowhere in the computation",
-    "b_chameleon_qk_layernorm_after_rotary": "a LayerNorm after the rotation is not read yet",
-    "b_chatglm_batch_first_port_rope_rows": "rotation tables indexed by sequence, not position",
-    "b_olmo_repo_q_norm_lost_in_merge": "attention written as a method of the block",
-    "b_qformer_cross_flag_never_set": "kind inferred: an optional second input, never passed",
-    "c_vllm_flat_tokens_gptj_rotary": "a flattened token batch (tokens, d) inside a runner",
     "c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs from "
     "the one stated for its defaults",
 }
@@ -27,8 +21,6 @@ def _cases(infer: bool):
     out = []
     for path, expect in expectations(ROOT / "tests" / "unseen"):
         reason = _OPEN.get(path.stem) if path.parent.name == "r7" else None
-        if reason and path.stem == "b_qformer_cross_flag_never_set" and not infer:
-            reason = None  # with --kind cross it is named
         marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
         out.append(pytest.param(path, expect, marks=marks, id=f"{path.parent.name}/{path.stem}"))
     return out

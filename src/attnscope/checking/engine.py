@@ -8,6 +8,7 @@ Modules are probed by :class:`.probe.ModuleProbe`; plain functions (kinds ``scor
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import types
 from collections.abc import Iterator
@@ -82,6 +83,7 @@ def check(
     timeout = timeout or None
     with _threads(1 if tokens is None or tokens <= _SMALL_PROBE else None):
         tgt = load(target, kind=kind, init=init, seed=seed, tokens=tokens, timeout=timeout)
+        tgt = _in_float32(tgt)
         if tgt.is_module:
             _out_of_inference_mode(tgt)
         try:
@@ -166,6 +168,28 @@ def _with_its_defaults(tgt, init, seed: int, exc: AttnScopeError):
         "together in it"
     )
     return Target(module, tgt.text, "class", {}, [*tgt.notes, note])
+
+
+def _in_float32(tgt: Target) -> Target:
+    """A module whose weights are all in another floating type (bfloat16 or float16, as
+    checkpoints are loaded; float64) is checked on a float32 copy: the probes are float32,
+    and half-precision weights convert exactly. The target itself is left as it is."""
+    if not tgt.is_module:
+        return tgt
+    types = {p.dtype for p in tgt.obj.parameters() if p.is_floating_point()}
+    if len(types) != 1 or torch.float32 in types:
+        return tgt
+    (dtype,) = types
+    try:
+        module = copy.deepcopy(tgt.obj).float()
+    except Exception:  # a module that cannot be copied: checked as it is (and says why)
+        return tgt
+    exact = "exactly" if dtype in (torch.bfloat16, torch.float16) else "rounded"
+    note = (
+        f"checked in float32: its weights are {str(dtype).removeprefix('torch.')}, converted "
+        f"{exact} on a copy"
+    )
+    return Target(module, tgt.text, tgt.origin, tgt.init, [*tgt.notes, note])
 
 
 def _a_model(tgt, exc: AttnScopeError) -> bool:

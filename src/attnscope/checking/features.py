@@ -36,7 +36,8 @@ class Unsupported(AttnScopeError):
 def mask_shape(hidden: T) -> tuple[str, int] | None:
     """What a hidden-cells pattern is, on its last two axes: ``("causal", d)`` when it hides
     keys ``j - i >= d``, ``("anti-causal", d)`` when it hides ``j - i <= d``, ``("window",
-    w)`` for a causal band ``w`` keys wide (the query included), or None."""
+    w)`` for a causal band ``w`` keys wide (the query included), ``("band", h)`` for keys
+    within ``h`` positions on either side (bidirectional local attention), or None."""
     if hidden.dim() < 2:
         return None
     h = hidden.reshape(-1, *hidden.shape[-2:])[0]
@@ -55,7 +56,22 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
         for d in (0, 2):  # a window whose diagonal is off: the window all the same (a mistake)
             if torch.equal(h, ones.triu(d) | ones.tril(-w)):
                 return ("window", w)
+    for half in range(1, n - 1):  # keys within `half` positions on either side (local)
+        if torch.equal(h, ones.triu(half + 1) | ones.tril(-half - 1)):
+            return ("band", half)
     return None
+
+
+def _other_pattern(hidden: T) -> bool:
+    """A token x token mask that hides some keys and not others, the same in every batch
+    and head (a designed pattern, not padding), of no shape :func:`mask_shape` reads."""
+    if hidden.dim() < 2 or hidden.shape[-1] != hidden.shape[-2] or hidden.shape[-1] < 3:
+        return False
+    flat = hidden.reshape(-1, *hidden.shape[-2:]).bool()
+    if not bool((flat == flat[:1]).all()):
+        return False
+    h = flat[0]
+    return bool(h.any()) and not bool(h.all()) and not bool(h.all(-1).any())
 
 
 @dataclass
@@ -161,13 +177,22 @@ class Features:
                 reach.add(op.index)
         for i in sorted(reach):
             op = self.ops[i]
+            if op.name == "tanh" and s.softcap is None and self._softmax_after(i, reach):
+                # capped, then a softmax (a tanh in the softmax's place is not_softmax)
+                s.softcap = op.location or "the scores"
+            if op.name in ("cat", "concat", "concatenate") and i != start:
+                joined = [a for a in op.args if not self.g.tainted[a]]
+                if joined:  # a column joined to the scores: GPT-OSS's sinks, an extra zero
+                    learned = any(self.g.param[a] for a in joined)
+                    what = "a learned logit (attention sink)" if learned else "a constant logit"
+                    self._refuse(f"{what} joined to the scores before the softmax", op.location)
             if op.name not in MASKING_OPS or i == start:
                 continue
             evidence = self._mask_of(op, reach)
             if evidence is None:
                 continue
             kind, detail = evidence
-            if kind == "bias-learned":
+            if kind in ("bias-learned", "band"):
                 self._refuse(detail, op.location)
             if kind == "bias":
                 s.bias = BiasSeen(self._bias_seen, tuple(op.output.shape), op.location)
@@ -178,6 +203,16 @@ class Features:
                 detail = f"a sliding-window mask ({detail})"
             if s.causal is None:
                 s.causal = f"{detail} at {op.location}"
+
+    def _softmax_after(self, i: int, reach: set[int]) -> bool:
+        """Whether a softmax (or its exp) is made from this op's output on the score path."""
+        made = {i}
+        for op in self.ops[i + 1 :]:
+            if op.index in reach and any(a in made for a in op.args):
+                if op.name in ("softmax", "_softmax", "log_softmax", "exp", "exp2"):
+                    return True
+                made.add(op.index)
+        return False
 
     def _added_in_product(self, op: Op) -> None:
         """``baddbmm(bias, q, k)``: a tensor added in the scores' own product (zeros, a
@@ -257,11 +292,23 @@ class Features:
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
         shape = mask_shape(hidden)
         if shape is None:
+            if _other_pattern(hidden):
+                return (
+                    "band",
+                    f"a mask of another pattern than causal, a sliding window or none "
+                    f"(attention sinks, a prefix, packed documents?: {how})",
+                )
             return None
         kind, d = shape
         if kind == "window":
             self.window_seen = d
             return ("window", f"each query sees {d} keys, itself included")
+        if kind == "band":
+            return (
+                "band",
+                f"a bidirectional sliding window (local attention: each query "
+                f"sees the keys within {d} positions on either side, {how})",
+            )
         return ("mask", f"a triangular mask ({how})")
 
     def _fused_masks(self, core: Core) -> None:
@@ -298,6 +345,8 @@ class Features:
                 found = self._judge_hidden(~torch.isfinite(m) | (m < -1e4), "an additive attn_mask")
             if found is not None:
                 kind, detail = found
+                if kind == "band":
+                    self._refuse(detail, op.location)
                 if kind == "window":
                     self.s.window = (self.window_seen, op.location)
                     detail = f"a sliding-window mask ({detail})"

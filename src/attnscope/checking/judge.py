@@ -219,11 +219,25 @@ class Judge:
             return self._report(
                 Failure(stage, "other", message, where), found, refs, self._dims(self.calls[0])
             )
-        for w, spec in options:
-            if all(
-                close(c.out, pipeline(c.x, spec, w, context=c.context)["output"])
-                for c in self.calls
-            ):
+        matches = [
+            [close(c.out, pipeline(c.x, spec, w, context=c.context)["output"]) for c in self.calls]
+            for w, spec in options
+        ]
+        for (w, spec), ok in zip(options, matches, strict=True):
+            if all(ok):
+                self.w, self.spec = w, spec
+                return self._correct_or_unstable()
+        for (w, spec), ok in zip(options, matches, strict=True):
+            batched = [m for m, c in zip(ok, self.calls, strict=True) if c.batched]
+            if batched and all(batched):
+                # right on every batched call, and another result for the same sequence
+                # alone: its (tokens, d) input means something else (HF layers take
+                # (batch, tokens, d) only); checked batched, as one that raises on it is
+                self.calls = [c for c in self.calls if c.batched]
+                self.notes.append(
+                    "accepts only batched input (unbatched input gives another result than "
+                    "the same sequence in a batch: its (tokens, d) input means something else)"
+                )
                 self.w, self.spec = w, spec
                 return self._correct_or_unstable()
         # no reading reproduces the output: pick the one the recorded tensors confirm best

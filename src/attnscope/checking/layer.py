@@ -64,6 +64,8 @@ class Structure:
     bias: object | None = None
     #: features per role, all heads together ("q", "k", "v"), as the computation reads them
     widths: dict[str, int] = field(default_factory=dict)
+    #: the line where the scores go through a tanh (logit soft-capping, Gemma 2)
+    softcap: str | None = None
 
     @property
     def weightless(self) -> bool:

@@ -19,27 +19,30 @@ none is seen, from outputs that ignore later tokens).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
+import re
 import sys
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import AttnScopeError, describe
 from ..stages import Kind, Stage
 from .alibi import Alibi, is_symmetric, read_slopes
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
-from .dataflow import Graph
+from .dataflow import LAYOUT_OPS, Graph
 from .features import Unsupported
 from .judge import Call, Judge
 from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
-from .record import Op, Recorder
+from .record import Op, Recorder, tensors_in
 from .reference import Spec, Weights, project, split
 from .report import CheckReport, single_head
-from .rotary import Rope, as_heads, read_rope
+from .rotary import Rope, as_heads, fit_tables, read_rope
 from .structure import (
     Structure,
     keys_named_first,
@@ -54,6 +57,23 @@ __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
 BATCH = 2
 _WEIGHTLESS_WIDTH = 5  # d_in for a module without weights (simplified attention)
 _ROPE_BATCH = 6  # sequences of the call a rotation is read from
+#: words in the name of a second input that is another sequence (not a mask or positions)
+_SEQUENCE_HINTS = (
+    "encoder",
+    "context",
+    "memory",
+    "cross",
+    "source",
+    "enc_",
+    "xa",
+    "image",
+    "media",
+    "vision",
+    "visual",
+    "audio",
+    "kv_input",
+    "y",
+)
 #: where layers and configs declare a sliding window (Mistral, Qwen 2, Gemma 2, Phi-3, ...)
 _WINDOW_NAMES = ("sliding_window", "sliding_window_size", "window_size", "attention_window")
 
@@ -106,6 +126,25 @@ def fmt_shape(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
 
 
+def _rotations_on_path(path: list[Op], ref: torch.Tensor, b: int, hd: int) -> list:
+    """Rotations of the projected heads ``ref`` ``(B, H, T, D)`` seen on the way to the
+    scores: tensors between the projection and the scores that are ``ref`` turned (a norm
+    may come after one of them, see :func:`.qknorm.read_side`)."""
+    found = []
+    for op in path:
+        t = op.output
+        if not isinstance(t, torch.Tensor) or t.numel() != ref.numel() or t.dim() < 3:
+            continue
+        for form in as_heads(t.detach().to(torch.float64), b, ref.shape[1], ref.shape[2], hd):
+            tables = fit_tables(ref, form)
+            if tables is not None and tables.turns and tables.is_rotation():
+                found.append(tables)
+                break
+        if len(found) >= 2:
+            break
+    return found
+
+
 class _Captured(BaseException):
     """Raised from the layer's forward hook once its output is taken: the wrapper stops
     there (a BaseException, so that the wrapper's own ``except Exception`` lets it by)."""
@@ -115,16 +154,157 @@ class _Captured(BaseException):
         self.output = output
 
 
+_TIME_WORDS = {"tgt_len", "src_len", "seq_len", "seqlen", "time", "t", "l", "q_len", "sq", "s"}
+_BATCH_WORDS = {"bsz", "batch", "batch_size", "b", "bs"}
+#: "Time x Batch x Channel", "T x B x C", "(seq_len, batch, embed_dim)"
+_TXB = re.compile(
+    r"\b(?:T|Time|seq_len|tgt_len|src_len)\s*(?:x|×)\s*(?:B|Batch|bsz)\b"
+    r"|\((?:seq_len|tgt_len|src_len)\s*,\s*(?:batch|bsz|batch_size)\s*,"
+)
+
+
+def _says_tokens_first(m: nn.Module, params: list) -> bool:
+    """Whether a module says it takes ``(tokens, batch, d)`` (fairseq and Megatron layers,
+    which have no ``batch_first`` to say so): its forward unpacks its first input as
+    ``tgt_len, bsz, embed_dim = query.size()``, or its docstring reads "Time x Batch x
+    Channel". Fed batch first, such a layer attends across the batch: the code's own words
+    break the tie with a batch-first layer that mixes its sequences (a mistake)."""
+    if not params or hasattr(m, "batch_first"):  # it says so in its attribute, if at all
+        return False
+    forward = type(m).forward
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    first = re.escape(params[0].name)
+    unpack = re.search(
+        rf"^\s*(\w+)\s*,\s*(\w+)\s*,\s*\w+\s*=\s*{first}\.(?:size\(\)|shape\b)",
+        source,
+        re.MULTILINE,
+    )
+    if unpack is not None:
+        return unpack[1].lower() in _TIME_WORDS and unpack[2].lower() in _BATCH_WORDS
+    docs = (forward.__doc__ or "") + (type(m).__doc__ or "")
+    return _TXB.search(docs) is not None
+
+
+def _batch_major(rec: Recorder, node: int, b: int, n: int) -> bool:
+    """Whether a ``(B * T, d)`` tensor was flattened from ``(B, T, ...)`` (sequence after
+    sequence), not from tokens first ``(T, B, ...)``: read where its rows were merged."""
+    graph = Graph(rec)
+    for i in sorted(graph.ancestors(node), reverse=True):
+        out = rec.ops[i].output
+        if out.dim() == 0 or out.shape[0] != b * n:
+            continue
+        for a in graph.tainted_args(rec.ops[i]):
+            shape = tuple(rec.ops[a].output.shape)
+            if len(shape) >= 2 and shape[0] != b * n and shape[0] * shape[1] == b * n:
+                return shape[:2] == (b, n)
+    return False
+
+
+def _alibi_like(bias: torch.Tensor, slopes: torch.Tensor) -> bool:
+    """Whether ``bias`` ``(B, H, T, T)`` is, where finite, ``slope_h * (j - i)`` plus a
+    constant per query row, with slopes of one sign, no two heads alike."""
+    if bool((slopes.abs() < 1e-6).any()) or not (
+        bool((slopes > 0).all()) or bool((slopes < 0).all())
+    ):
+        return False
+    if slopes.numel() > 1 and len({round(v, 6) for v in slopes.tolist()}) != slopes.numel():
+        return False
+    e = bias.detach().to(torch.float64)
+    n = e.shape[-1]
+    j = torch.arange(n, dtype=torch.float64)
+    rest = e - slopes.to(torch.float64)[None, :, None, None] * j  # a constant per row left
+    finite = torch.isfinite(e) & (e > -1e4)
+    lower = torch.ones(n, n, dtype=torch.bool).tril()
+    if not bool((finite & lower).any()):
+        return False
+    rows = rest.masked_fill(~finite, float("nan"))
+    spread = (rows.nan_to_num(0) - rows.nanmean(-1, keepdim=True).nan_to_num(0)).abs()
+    return bool((spread.masked_fill(~finite, 0) < 1e-4 * (1 + e[finite].abs().amax())).all())
+
+
+def _whole(rec: Recorder, graph: Graph, node: int, numel: int) -> torch.Tensor:
+    """The scores' operand, or where it is one sequence's slice (a loop over the sequences
+    of a flattened batch), the whole tensor it was cut from: up through layout ops until
+    it holds ``numel`` entries (every sequence and head)."""
+    i = node
+    for _ in range(8):
+        op = rec.ops[i]
+        if op.output.numel() >= numel or op.name not in LAYOUT_OPS:
+            break
+        parents = graph.tainted_args(op)
+        if len(parents) != 1:
+            break
+        i = parents[0]
+    found = rec.ops[i].output
+    return (found if found.numel() == numel else rec.ops[node].output).detach()
+
+
+class _Exited(_Captured):
+    """The output of attention computed inline in a block, taken (see ``ModuleProbe.exit``)."""
+
+
+class _TakeAt(TorchFunctionMode):
+    """Takes the output of the call that applies an output projection held as bare
+    parameters (``F.linear(ctx, self.w_o)``, ``ctx @ self.w_o.T``, then ``+ self.b_o``):
+    the first call that reads a tensor made from the weights alone together with another
+    tensor, and its bias add where the call did not take the bias."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor]):
+        super().__init__()
+        self.weights, self.biases = weights, biases
+
+    def fresh(self) -> _TakeAt:
+        return _TakeAt(self.weights, self.biases)
+
+    def __enter__(self):
+        self.derived = {id(w): w for w in self.weights}  # kept alive: ids stay theirs
+        self.bias_ids = {id(b) for b in self.biases}
+        self.taken = None
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        ids = {id(t) for t in [*tensors_in(args), *tensors_in(kwargs)]}
+        if not ids or not isinstance(result, torch.Tensor):
+            return result
+        if self.taken is not None:
+            if id(self.taken) in ids and ids & self.bias_ids:
+                raise _Exited(result)
+            return result
+        if ids <= self.derived.keys():  # a view or transpose of the weight
+            self.derived[id(result)] = result
+        elif ids & self.derived.keys():
+            if not self.bias_ids or ids & self.bias_ids:
+                raise _Exited(result)
+            self.taken = result
+        return result
+
+
 class _Entry:
     """Where a layer inside a wrapper takes its hidden states, and in which layout: batch
-    first ``(B, T, d)``, tokens first ``(T, B, d)``, or the tokens laid out as a grid
-    ``(B, H, W, d)`` with ``H * W = T`` (``grid`` is then ``(H, W)``)."""
+    first ``(B, T, d)``, tokens first ``(T, B, d)``, the tokens laid out as a grid
+    ``(B, H, W, d)`` with ``H * W = T`` (``grid`` is then ``(H, W)``), or the batch
+    flattened to its tokens ``(B * T, d)`` (``flat``: vLLM-style runners, packed batches)."""
 
     def __init__(
-        self, module: nn.Module, path: str, positions: list, tokens_first: bool, grid=None
+        self,
+        module: nn.Module,
+        path: str,
+        positions: list,
+        tokens_first: bool,
+        grid=None,
+        flat: bool = False,
     ):
         self.module, self.path = module, path
         self.positions, self.tokens_first, self.grid = positions, tokens_first, grid
+        self.flat = flat
+        #: the other float tensors the wrapper hands the layer, by argument (a mask, a
+        #: position bias), as handed on the discovery run
+        self.extras: dict = {}
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The probe ``(B, T, d)`` in the layout the layer takes."""
@@ -132,12 +312,16 @@ class _Entry:
             return x.transpose(0, 1)
         if self.grid is not None:
             return x.reshape(x.shape[0], *self.grid, x.shape[-1])
+        if self.flat:
+            return x.reshape(-1, x.shape[-1])
         return x
 
     def leave(self, out: torch.Tensor, b: int, n: int) -> torch.Tensor:
         """The layer's output back in ``(B, T, d)``."""
         if self.tokens_first and out.dim() == 3:
             return out.transpose(0, 1)
+        if self.flat and out.dim() == 2 and out.shape[0] == b * n:
+            return out.reshape(b, n, out.shape[-1])
         if self.grid is not None and out.shape[0] == b and math.prod(out.shape[1:-1]) == n:
             return out.reshape(b, n, out.shape[-1])
         return out
@@ -161,8 +345,12 @@ class ModuleProbe:
         # discovery draws from its own generator: the judged probes do not depend on it
         self.discovery_gen = torch.Generator().manual_seed(seed + 1)
         self.entry: _Entry | None = None
+        #: attention computed inline in a block (no module of its own): the submodule that
+        #: makes its output (the output projection), where the attention's output is taken
+        self.exit: nn.Module | _TakeAt | None = None
         self.structure: Structure | None = None
         self._hf_rotary: nn.Module | None = None
+        self._hf_layer_type: str | None = None
         self._rope_probe: list[Call] | None = None
         self.cross = False  # keys and values from another sequence (a second input)
         self._second_read = False
@@ -170,6 +358,7 @@ class ModuleProbe:
         self._contexts: dict[tuple, torch.Tensor] = {}
         self._root_inputs: dict[tuple, torch.Tensor] = {}
         self._root_width = _WEIGHTLESS_WIDTH
+        self._cache: dict = {}
         self._leaf_names = {id(p): f"param:{n}" for n, p in self.module.named_parameters()}
         self._leaf_names.update({id(b): f"buffer:{n}" for n, b in self.module.named_buffers()})
 
@@ -204,7 +393,7 @@ class ModuleProbe:
             if self.kind.cross and not self.cross:
                 self._expect_second_sequence()
                 self.calls = self._probe(x)
-            if self.kind.causal and self.adapter["hf"] and self.entry is None:
+            if self.kind.causal and self.adapter["hf"]:
                 self.calls = self._probe(x, causal_hint=True)  # the model's causal mask
         if self.kind.one_query:
             raise AttnScopeError(
@@ -289,6 +478,9 @@ class ModuleProbe:
                 if st.call is not None:
                     self.entry = self._entry(st, rec, batch)
                     self.notes.append(f"the attention layer checked is {st.layer!r}")
+                    self._inherit_tokens_first()
+                else:
+                    self.exit = self._exit(st, rec, out)
                 return st
         self.adapter["pair"] = pair
         if widths and errors:  # runs where nothing watches it? then it cannot be read
@@ -309,6 +501,78 @@ class ModuleProbe:
                 "block that supplies them. Every probe raised: " + "; ".join(errors[:2])
             )
         raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors[:3]))
+
+    def _inherit_tokens_first(self) -> None:
+        """A layer that says it takes ``(tokens, batch, d)`` (see :func:`_says_tokens_first`)
+        and is handed its wrapper's input in the layout the wrapper got it: the wrapper
+        works tokens first too (a fairseq encoder layer around its attention)."""
+        e = self.entry
+        if e is None or e.tokens_first or e.grid is not None or e.flat or self.adapter["seq_first"]:
+            return
+        try:
+            params = [
+                p
+                for p in inspect.signature(e.module.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            return
+        if _says_tokens_first(e.module, params):
+            self.adapter["seq_first"] = True
+            e.tokens_first = True
+            self.notes.append(
+                f"{e.path!r} says it takes (tokens, batch, d), and is handed its wrapper's "
+                "input as it comes: both are called tokens first"
+            )
+
+    def _exit(self, st: Structure, rec: Recorder, out) -> nn.Module | None:
+        """Attention computed in the target's own forward (a method of a block, no module of
+        its own) whose output then goes on (a residual, an MLP): the submodule that makes
+        the attention's output, its output projection, or None where the target returns it.
+
+        Only where what follows reads the target's input again past the output projection
+        (a residual: the target is a block); a layer that only drops out or scales its
+        projected output keeps that as its own."""
+        if st.out is None or not isinstance(out, torch.Tensor):
+            return None
+        end = st.out.op.index
+        node = rec.node_of(out)
+        if node is None or node == end or rec.ops[end].output.shape != out.shape:
+            return None
+        # the input reached around the attention: not through the output projection, nor
+        # through any core (heads computed apart, their projected outputs summed, are not)
+        cores = {op.index for c in st.cores for op in (c.score, c.context, c.fused) if op}
+        past = Graph(rec).ancestors(node, stop={end} | cores)
+        residual = any(rec.ops[i].leaf == "input:0" for i in past if i != end)
+        # a block: its input normed before the projections (pre-norm), or weights of its own
+        # after the attention (an MLP, a norm); a layer that adds its input to its own
+        # output and stops there is a layer with a residual inside (a mistake)
+        more = any(c.path and c.start > end for c in rec.modules) or any(
+            (op.leaf or "").startswith("param:") for op in rec.ops[end + 1 :]
+        )
+        if end not in past or not residual or not (st.pre or more):
+            return None
+        # the innermost submodule call that holds the output projection and ends with it,
+        # else the projection's own parameters, where the call that reads them is taken
+        calls = sorted(
+            (c for c in rec.modules if c.path and c.start <= end < c.end),
+            key=lambda c: -c.depth,
+        )
+        if calls and calls[0].end - 1 == end:
+            where, exit_ = repr(calls[0].path), calls[0].module
+        else:
+            params = dict(self.module.named_parameters())
+            found = [params[n] for n in st.out.params if n in params]
+            weights = [t for t in found if t.dim() == 2]
+            if not weights:
+                return None
+            where = f"the call that applies {', '.join(st.out.params)}"
+            exit_ = _TakeAt(weights, [t for t in found if t.dim() == 1])
+        self.notes.append(
+            "its attention is computed in its own forward, and what follows it (a residual, "
+            f"more layers) is not checked: the attention's output is taken at {where}"
+        )
+        return exit_
 
     def _required_beyond_input(self) -> list[str]:
         """Required forward arguments after the first that are not another sequence: a
@@ -385,13 +649,16 @@ class ModuleProbe:
         module = st.call.module
         positions: list = []
 
+        extras: dict = {}
+
         def grab(mod, args, kwargs):
-            for i, a in enumerate(args):
-                if isinstance(a, torch.Tensor) and a.shape == value.shape and torch.equal(a, value):
-                    positions.append(i)
-            for k, a in kwargs.items():
-                if isinstance(a, torch.Tensor) and a.shape == value.shape and torch.equal(a, value):
-                    positions.append(k)
+            for key, a in [*enumerate(args), *kwargs.items()]:
+                if not isinstance(a, torch.Tensor):
+                    continue
+                if a.shape == value.shape and torch.equal(a, value):
+                    positions.append(key)
+                elif a.is_floating_point() and a.dim() >= 2:
+                    extras[key] = a.detach().clone()
             raise _Captured(None)
 
         handle = module.register_forward_pre_hook(grab, with_kwargs=True)
@@ -403,10 +670,17 @@ class ModuleProbe:
             handle.remove()
         b, n = x.shape[:2]
         lead = tuple(value.shape[:-1])
+        entry = None
         if positions and lead in ((b, n), (n, b)):
-            return _Entry(module, st.layer, positions, lead == (n, b) and lead != (b, n))
-        if positions and value.dim() > 3 and lead[0] == b and math.prod(lead[1:]) == n:
-            return _Entry(module, st.layer, positions, False, grid=lead[1:])
+            entry = _Entry(module, st.layer, positions, lead == (n, b) and lead != (b, n))
+        elif positions and value.dim() > 3 and lead[0] == b and math.prod(lead[1:]) == n:
+            entry = _Entry(module, st.layer, positions, False, grid=lead[1:])
+        elif positions and lead == (b * n,) and before and _batch_major(rec, max(before), b, n):
+            # the batch flattened to its tokens, sequence after sequence
+            entry = _Entry(module, st.layer, positions, False, flat=True)
+        if entry is not None:
+            entry.extras = extras
+            return entry
         raise AttnScopeError(
             f"{self.tgt.text}: found its attention in {st.layer!r}, which receives its input "
             f"as {describe(value)}; expected (batch, tokens, d), (tokens, batch, d) or a grid "
@@ -426,7 +700,7 @@ class ModuleProbe:
             params = []
         required = [p for p in params if p.default is inspect.Parameter.empty]
         # tokens first, (T, B, d): torch's default, and any module that says so
-        seq_first = getattr(m, "batch_first", True) is False
+        seq_first = getattr(m, "batch_first", True) is False or _says_tokens_first(m, params)
         hf = type(m).__module__.startswith("transformers") and any(
             p.name == "attention_mask" for p in params
         )
@@ -466,7 +740,7 @@ class ModuleProbe:
             out["residual"] = torch.zeros_like(x)
         return out
 
-    def _hf_position_embeddings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hf_position_embeddings(self, x: torch.Tensor):
         """``(cos, sin)`` for positions 0..n-1 from the model's own rotary class, built from
         the layer's config, as the model computes them before calling its layers."""
         if self._hf_rotary is None:
@@ -475,21 +749,50 @@ class ModuleProbe:
             stem = type(m).__name__.removesuffix("Attention").removesuffix("DecoderLayer")
             names = [n for n in dir(module) if n.endswith("RotaryEmbedding")]
             names.sort(key=lambda n: n != f"{stem}RotaryEmbedding")
-            config = getattr(m, "config", None)
+            # a decoder layer may keep its config only in its attention (Phi)
+            config = getattr(m, "config", None) or next(
+                (c for sub in m.modules() if (c := getattr(sub, "config", None)) is not None),
+                None,
+            )
             if not names or config is None:
                 raise AttnScopeError(
                     f"{self.tgt.text}: takes position_embeddings, and no rotary embedding class "
                     "and config were found to make them"
                 )
             self._hf_rotary = getattr(module, names[0])(config=config)
+            self._hf_layer_type = self._rotary_layer_type(self._hf_rotary, config)
         b, n = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
         positions = torch.arange(n).unsqueeze(0).expand(b, n)
-        cos, sin = self._hf_rotary(x if x.dim() == 3 else x.unsqueeze(0), positions)
+        more = () if self._hf_layer_type is None else (self._hf_layer_type,)
+        made = self._hf_rotary(x if x.dim() == 3 else x.unsqueeze(0), positions, *more)
+        if isinstance(made, torch.Tensor):  # one complex table (Llama 4's freqs_cis)
+            return made if x.dim() == 3 else made[0]
+        cos, sin = made
         return (cos, sin) if x.dim() == 3 else (cos[0], sin[0])
+
+    def _rotary_layer_type(self, rotary: nn.Module, config) -> str | None:
+        """The layer type a model's rotary class is asked for (Gemma 3 keeps tables per
+        ``config.layer_types`` entry: local and global layers turn by other bases), for
+        this layer's index; None where its forward takes no layer type."""
+        try:
+            if "layer_type" not in inspect.signature(rotary.forward).parameters:
+                return None
+        except (TypeError, ValueError):
+            return None
+        types = list(getattr(config, "layer_types", None) or [])
+        idx = next(
+            (
+                i
+                for sub in self.module.modules()
+                if isinstance(i := getattr(sub, "layer_idx", None), int)
+            ),
+            0,
+        )
+        return types[idx] if 0 <= idx < len(types) else (types[0] if types else None)
 
     def _invoke(self, x32: torch.Tensor, causal_hint: bool = False):
         if self.entry is not None:
-            return self._invoke_layer(x32)
+            return self._invoke_layer(x32, causal_hint)
         return self._invoke_root(x32, causal_hint)
 
     def _invoke_root(
@@ -525,7 +828,24 @@ class ModuleProbe:
             args = (inp, inp if other is None else other)
         else:
             args = (inp,)
-        result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
+        handle = None
+        taking = contextlib.nullcontext()
+        if isinstance(self.exit, nn.Module):  # attention inline in a block: output taken here
+
+            def leave(mod, args, out):
+                raise _Exited(out)
+
+            handle = self.exit.register_forward_hook(leave)
+        elif self.exit is not None:
+            taking = self.exit.fresh()
+        try:
+            with taking:
+                result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
+        except _Exited as got:
+            result, err = got.output, None
+        finally:
+            if handle is not None:
+                handle.remove()
         if err is not None:
             return None, err
         out = first_tensor(result)
@@ -547,9 +867,11 @@ class ModuleProbe:
             self._root_inputs[(b, n)] = torch.randn(b, n, d, generator=self.discovery_gen)
         return self._root_inputs[(b, n)]
 
-    def _invoke_layer(self, x32: torch.Tensor):
+    def _invoke_layer(self, x32: torch.Tensor, causal_hint: bool = False, change=None):
         """Run the wrapper; swap the layer's hidden states for ``x32`` on the way in, take its
-        output on the way out."""
+        output on the way out (a Hugging Face wrapper gets the model's causal mask where
+        ``causal_hint``, and hands it on). ``change``: ``(argument, fn)``, another of the
+        layer's arguments replaced by ``fn`` of it on the way in."""
         e = self.entry
         if x32.dim() != 3:
             return None, "a layer inside a wrapper is probed with batched input only"
@@ -560,6 +882,10 @@ class ModuleProbe:
         def swap(mod, args, kwargs):
             args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
             kwargs = {k: sub if k in e.positions else v for k, v in kwargs.items()}
+            if change is not None:
+                key, fn = change
+                args = tuple(fn(a) if i == key else a for i, a in enumerate(args))
+                kwargs = {k: fn(v) if k == key else v for k, v in kwargs.items()}
             return args, kwargs
 
         def take(mod, args, out):
@@ -570,7 +896,7 @@ class ModuleProbe:
             e.module.register_forward_hook(take),
         ]
         try:
-            _, err = self._invoke_root(self._root_input(*x32.shape[:2]))
+            _, err = self._invoke_root(self._root_input(*x32.shape[:2]), causal_hint)
         except _Captured as got:
             out = first_tensor(got.output)
             if not isinstance(out, torch.Tensor):
@@ -802,6 +1128,16 @@ class ModuleProbe:
             return Kind.of("cross"), (
                 f"it takes a second sequence, {second!r}, that its keys and values do not read"
             )
+        declared = self._declared_cross()
+        if declared is not None:
+            # an optional second sequence the layer says it attends to, not passed in
+            # discovery: probed with one (keys read from the queries' input then show)
+            self._expect_second_sequence()
+            self.calls = self._probe(self.calls[0].given.float())
+            return Kind.of("cross"), (
+                f"it declares cross-attention ({declared}) and takes a second sequence, "
+                f"{self._second_name()!r}"
+            )
         reasons = []
         heads = binding.num_heads
         multi = (heads or 1) > 1
@@ -812,7 +1148,7 @@ class ModuleProbe:
             causal_why = "its outputs do not change when later tokens change"
         if causal_why:
             reasons.append(f"causal: {causal_why}")
-            if multi and self.adapter["hf"] and self.entry is None:
+            if multi and self.adapter["hf"]:  # a layer, or a block around it
                 self.calls = self._probe(self.calls[0].given.float(), causal_hint=True)
         kind = Kind.weighted_kind(causal=bool(causal_why), multihead=multi)
         if not multi:
@@ -823,17 +1159,82 @@ class ModuleProbe:
         """The reference's ALiBi when the computation adds a position bias to the scores,
         with the slopes it used as read from that bias."""
         st = self.structure
+        if st is not None and st.bias is None and self.kind.causal:
+            handed = self._handed_alibi(heads)
+            if handed is not None:
+                return handed
         if st is None or st.bias is None:
             return None
         seen = read_slopes(st.bias.tensor, st.bias.scores_shape, heads)
         symmetric = is_symmetric(st.bias.tensor, st.bias.scores_shape)
         return Alibi(heads, st.bias.before_scale, seen, symmetric)
 
-    def _unread_sequence_argument(self) -> str | None:
-        """The name of a second required input named like another sequence (encoder
-        states, a context, memory) that the computation never reads, or None."""
-        if not self.adapter["pair"] or self._second_read:
+    def _handed_alibi(self, heads: int) -> Alibi | None:
+        """An ALiBi bias the wrapper hands the layer (Baichuan and MPT models pass it in the
+        mask argument) that the layer's output does not depend on: the layer's position
+        bias, which it does not add (the judge then names ``bias_missing``). Read as ALiBi
+        only where, per head, its finite part is ``slope_h * (j - i)`` plus a constant per
+        query, with slopes of one sign and no two heads alike."""
+        e = self.entry
+        if e is None or not e.extras or self.host is not None:
             return None
+        if "handed" in self._cache:
+            return self._cache["handed"]
+        self._cache["handed"] = None
+        for key, t in e.extras.items():
+            if t.shape[-1] != t.shape[-2] or t.numel() % (heads * t.shape[-1] ** 2):
+                continue
+            m = t.shape[-1]
+            shape = (t.numel() // (heads * m * m), heads, m, m)
+            slopes = read_slopes(t.reshape(shape), shape, heads)
+            if slopes is None or not _alibi_like(t.reshape(shape), slopes):
+                continue
+            if self._reads_argument(key):
+                continue
+            self.notes.append(
+                f"the wrapper hands it a position bias (ALiBi, in argument {key!r}) that its "
+                "output does not depend on"
+            )
+            alibi = Alibi(heads, False, slopes, is_symmetric(t.reshape(shape), shape))
+            self._cache["handed"] = alibi
+            return alibi
+        return None
+
+    def _reads_argument(self, key) -> bool:
+        """Whether the layer's output changes when this argument's finite entries do."""
+        base = self.calls[0]
+        if not base.batched:
+            return True
+        x = base.given.float()
+
+        def nudge(a):
+            if not isinstance(a, torch.Tensor) or not a.is_floating_point():
+                return a
+            finite = torch.isfinite(a) & (a > -1e4)
+            noise = torch.randn(a.shape, generator=self.gen).to(a.dtype)
+            return torch.where(finite, a + noise, a)
+
+        out, err = self._invoke_layer(x, self.causal_hint, change=(key, nudge))
+        if err is not None or out is None or out.shape != base.out.shape:
+            return True
+        return not close(out.double(), base.out, rtol=1e-6)
+
+    def _declared_cross(self) -> str | None:
+        """A layer that says it is cross-attention (``is_cross_attention=True``, as BLIP-2's
+        Q-Former and BERT-style layers do), called by a target whose optional second input
+        is named like another sequence, which discovery did not pass: the flag, or None."""
+        if not self.adapter.get("optional_second") or self._second_name() is None:
+            return None
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in dict.fromkeys((m, self.module)):
+            for attr in ("is_cross_attention", "cross_attention", "is_cross"):
+                if getattr(holder, attr, None) is True:
+                    return f"{attr}=True"
+        return None
+
+    def _second_name(self) -> str | None:
+        """The second positional parameter of the target's forward, where it is named like
+        another sequence (encoder states, a context, memory), or None."""
         try:
             params = [
                 p
@@ -845,23 +1246,14 @@ class ModuleProbe:
         if len(params) < 2:
             return None
         name = params[1].name
-        hints = (
-            "encoder",
-            "context",
-            "memory",
-            "cross",
-            "source",
-            "enc_",
-            "xa",
-            "image",
-            "media",
-            "vision",
-            "visual",
-            "audio",
-            "kv_input",
-            "y",
-        )
-        return name if any(h in name.lower() for h in hints) else None
+        return name if any(h in name.lower() for h in _SEQUENCE_HINTS) else None
+
+    def _unread_sequence_argument(self) -> str | None:
+        """The name of a second required input named like another sequence (encoder
+        states, a context, memory) that the computation never reads, or None."""
+        if not self.adapter["pair"] or self._second_read:
+            return None
+        return self._second_name()
 
     def _window(self) -> int | None:
         """The sliding window the reference holds the layer to: the one its (or its
@@ -891,6 +1283,61 @@ class ModuleProbe:
                 if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                     return v
         return None
+
+    def _softcap(self) -> float | None:
+        """The logit soft-capping the layer (or its configuration) declares, where its
+        scores go through a tanh (Gemma 2's ``attn_logit_softcapping``); a tanh on the
+        scores with none declared is not modelled: refused."""
+        st = self.structure
+        m = self.entry.module if self.entry is not None else self.module
+        declared = None
+        for holder in (
+            m,
+            getattr(m, "config", None),
+            self.module,
+            getattr(self.module, "config", None),
+        ):
+            v = getattr(holder, "attn_logit_softcapping", None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                declared = float(v)
+                break
+        if st is None or st.softcap is None:
+            return None
+        if declared is None:
+            raise Unsupported(
+                f"not supported yet: logit soft-capping (a tanh on the scores) at {st.softcap}, "
+                "with no attn_logit_softcapping declared"
+            )
+        self.notes.append(f"logit soft-capping at {declared:g} (attn_logit_softcapping)")
+        return declared
+
+    def _declared_scale(self, head_dim: int) -> tuple[float | None, str]:
+        """A scale the layer's (or its model's) configuration declares in place of
+        1/sqrt(d_k): Gemma's ``query_pre_attn_scalar`` (scores times its 1/sqrt), Granite's
+        ``attention_multiplier``; times the square of the ``attention_scaling`` that the
+        model's own rotary class folds into its cos and sin (YaRN's attention factor: both
+        queries and keys carry it); ``(None, "")`` where none is declared."""
+        scale, source = None, ""
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in (getattr(m, "config", None), getattr(self.module, "config", None)):
+            v = getattr(holder, "query_pre_attn_scalar", None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                scale, source = v**-0.5, f"1/sqrt(query_pre_attn_scalar) = 1/sqrt({v:g})"
+                break
+            v = getattr(holder, "attention_multiplier", None)
+            if isinstance(v, float) and v > 0:
+                scale, source = v, f"attention_multiplier = {v:g}"
+                break
+        factor = getattr(self._hf_rotary, "attention_scaling", None)
+        if self._hf_layer_type is not None:  # one factor per layer type (Gemma 3)
+            factor = getattr(self._hf_rotary, f"{self._hf_layer_type}_attention_scaling", factor)
+        if isinstance(factor, (int, float)) and factor > 0 and not math.isclose(factor, 1.0):
+            scale = (scale or head_dim**-0.5) * factor * factor
+            source = (
+                f"{source or f'1/sqrt(d_k) = 1/sqrt({head_dim})'} times the square of the "
+                f"rotary embedding's attention_scaling {factor:.4g} (in its cos and sin)"
+            )
+        return scale, source
 
     def _declared_causal(self) -> str | None:
         """A causal layer whose computation shows no mask: it says so in a flag, or holds a
@@ -941,7 +1388,9 @@ class ModuleProbe:
         else:
             heads = [1]
         out = []
+        softcap = self._softcap()
         for h in heads:
+            scale, source = self._declared_scale(b.d_out // h)
             for w in b.candidates:
                 hd = b.d_out // h
                 k_width = w.k.shape[1]
@@ -957,6 +1406,9 @@ class ModuleProbe:
                     kv_heads=kv,
                     window=self._window(),
                     alibi=self._alibi(h),
+                    declared_scale=scale,
+                    scale_source=source,
+                    softcap=softcap,
                 )
                 out.append((w, spec))
         if not out:
@@ -1029,7 +1481,8 @@ class ModuleProbe:
                 widths = {hd, ref.shape[1] * hd}
                 gains = gains_on_path(call.record.ops, graph, path, widths)
             eps = eps_on_path(call.record.ops, path)
-            user = call.record.ops[node].output.detach().to(torch.float64)
+            turned = _rotations_on_path(path, ref, b, hd) if word in st.qk_norm else []
+            user = _whole(call.record, graph, node, ref.numel()).to(torch.float64)
             refs = [ref]
             if ref.shape[1] != spec.num_heads:  # keys repeated for the query heads first
                 g = spec.num_heads // ref.shape[1]
@@ -1039,7 +1492,7 @@ class ModuleProbe:
                     side
                     for r in refs
                     for form in as_heads(user, b, r.shape[1], r.shape[2], hd)
-                    if (side := read_side(r, form, gains, eps)) is not None
+                    if (side := read_side(r, form, gains, eps, turned)) is not None
                 ),
                 None,
             )

@@ -94,10 +94,21 @@ class NormSide:
     misplaced: bool = False  # normed after the rotation
 
 
-def read_side(p: T, u: T, gains: list[tuple[T | None, T | None]], eps: float) -> NormSide | None:
+def read_side(
+    p: T,
+    u: T,
+    gains: list[tuple[T | None, T | None]],
+    eps: float,
+    rotations: list[Tables] = (),
+) -> NormSide | None:
     """How ``u`` (the operand of the scores, ``(B, H, T, D)``) was made from the projected
     heads ``p``: a rotation (or nothing) alone, or a norm with one of ``gains`` then a
     rotation, or a rotation then the norm. None when no hypothesis is exact.
+
+    ``rotations`` are rotations seen on the way (tensors between the projection and ``u``
+    that are ``p`` turned, :func:`.rotary.fit_tables`): a norm applied after one of them
+    (any norm, a LayerNorm's mean included, which does not commute with a rotation) is
+    the mistake ``qk_norm_misplaced`` when it reproduces ``u`` exactly.
 
     A linear fit also "explains" a gain folded into the tables (which is no rotation), so
     hypotheses are ranked: a rotation (or nothing), then the norm after the rotation, then
@@ -132,11 +143,24 @@ def read_side(p: T, u: T, gains: list[tuple[T | None, T | None]], eps: float) ->
                         t = fit_tables(normalise(p, kind, eps), un)
                         if t is not None and t.turns:
                             consider(NormSide(t, True, scope, kind, gain, bias, misplaced=True))
+                    for t in rotations:
+                        v = t.apply(p)
+                        if scope == "full":
+                            after = _split(normalise(_merge(v), kind, eps), h)
+                        else:
+                            after = normalise(v, kind, eps)
+                        if _exact(_affine(after, gain, bias, h), u):
+                            consider(NormSide(t, True, scope, kind, gain, bias, misplaced=True))
                 except RuntimeError:  # a gain of another width than these heads
                     continue
     if not found:
         return None
     return min(found, key=lambda f: f[0])[1]
+
+
+def _exact(fit: T, u: T) -> bool:
+    big = max(u.abs().amax().item(), 1e-12)
+    return fit.shape == u.shape and (fit - u).abs().amax().item() <= 1e-4 * big
 
 
 def _rank(t: Tables) -> int | None:

@@ -56,6 +56,13 @@ class Spec:
     window: int | None = None  # causal kinds: each query sees its last `window` keys
     qk_norm: QKNorm | None = None
     alibi: Alibi | None = None
+    #: a scale the layer's configuration declares instead of 1/sqrt(d_k) (Gemma's
+    #: ``query_pre_attn_scalar``), and in words where it comes from
+    declared_scale: float | None = None
+    scale_source: str = ""
+    #: logit soft-capping the layer declares (Gemma 2): ``cap * tanh(logits / cap)`` on the
+    #: scaled (and biased) scores, before the mask
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind.of(self.kind))
@@ -88,8 +95,13 @@ class Spec:
 
     @property
     def scale(self) -> float:
-        """The factor scores are multiplied by: ``1/sqrt(d_k)`` (1 for simplified)."""
-        return 1.0 if self.simplified else 1.0 / math.sqrt(self.head_dim)
+        """The factor scores are multiplied by: ``1/sqrt(d_k)`` (1 for simplified), or the
+        one the layer declares."""
+        if self.simplified:
+            return 1.0
+        if self.declared_scale is not None:
+            return self.declared_scale
+        return 1.0 / math.sqrt(self.head_dim)
 
 
 @dataclass
@@ -289,6 +301,8 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
         else:
             biased = scaled + bias.to(scores)
         logits = biased = sub.get("biased_scores", biased)
+    if spec.softcap is not None:
+        logits = spec.softcap * torch.tanh(logits / spec.softcap)
     masked = None
     if spec.causal:
         if mut.mask:

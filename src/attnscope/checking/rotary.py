@@ -85,12 +85,16 @@ class Rope:
         base = math.exp(-slope)
         return float(f"{base:.3g}")
 
-    def rotate(self, t: T, offset: int = 0, pairing: str | None = None) -> T:
-        """``(..., T, D)`` rotated for positions ``offset..``; ``pairing`` overrides the
-        rotation's pairing (the tables stay laid out for :attr:`pairing`)."""
+    def rotate(
+        self, t: T, offset: int = 0, pairing: str | None = None, positions: T | None = None
+    ) -> T:
+        """``(..., T, D)`` rotated for positions ``offset..`` (or ``positions`` ``(T,)``);
+        ``pairing`` overrides the rotation's pairing (the tables stay laid out for
+        :attr:`pairing`)."""
         freqs = torch.tensor(self.inv_freq, dtype=torch.float64)
         n = t.shape[-2]
-        positions = torch.arange(offset, offset + n, dtype=torch.float64)  # offset may be < 0
+        if positions is None:  # offset may be < 0
+            positions = torch.arange(offset, offset + n, dtype=torch.float64)
         angles = rope_angles(n, freqs, positions=positions)
         if pairing is None or pairing == self.pairing:
             return apply_rope(t, angles, self.pairing)
@@ -144,6 +148,10 @@ def _as_heads(u: T, b: int, h: int, n: int, d: int) -> list[T]:
             out += [u.reshape(b, h, n, d), u.reshape(h, b, n, d).transpose(0, 1)]
         if tuple(u.shape) == (b, n, h * d):
             out.append(u.reshape(b, n, h, d).transpose(1, 2))
+        if tuple(u.shape) == (b * n, h, d):  # a batch flattened to its tokens
+            out.append(u.reshape(b, n, h, d).transpose(1, 2))
+    elif u.dim() == 2 and tuple(u.shape) == (b * n, h * d):
+        out.append(u.reshape(b, n, h, d).transpose(1, 2))
     return out
 
 
@@ -154,9 +162,13 @@ class Tables:
 
     pairing: str
     rot: int
-    cos: T  # (T, rot)
-    sin: T  # (T, rot)
+    cos: T  # (T, rot); (B, T, rot) when ``per_sequence``
+    sin: T  # (T, rot); (B, T, rot) when ``per_sequence``
     scale: float  # a factor folded into the operand (1 when none)
+    #: tables of their own for each sequence of the batch: positions that depend on the
+    #: sequence (a flattened batch counting on across its sequences, or rows picked by the
+    #: batch index: see :func:`read_rope`)
+    per_sequence: bool = False
 
     @property
     def turns(self) -> bool:
@@ -167,14 +179,16 @@ class Tables:
         """Partners share their angle and every pair keeps its length."""
         c, s = self.cos / self.scale, self.sin / self.scale
         idx = _partner(self.rot, self.pairing)
-        same = torch.allclose(c, c[:, idx], atol=1e-4) and torch.allclose(s, s[:, idx], atol=1e-4)
+        same = torch.allclose(c, c[..., idx], atol=1e-4) and torch.allclose(
+            s, s[..., idx], atol=1e-4
+        )
         return same and torch.allclose(c * c + s * s, torch.ones_like(c), atol=1e-3)
 
     def laid_out_for(self) -> str | None:
         """The pairing whose layout the tables have (``[a, a]`` halves or ``a0 a0 a1 a1``)."""
         c = self.cos / self.scale
         for pairing in ("half", "interleaved"):
-            if torch.allclose(c, c[:, _partner(self.rot, pairing)], atol=1e-4):
+            if torch.allclose(c, c[..., _partner(self.rot, pairing)], atol=1e-4):
                 return pairing
         return None
 
@@ -187,15 +201,26 @@ class Tables:
             return False
         c, s = self.cos / self.scale, self.sin / self.scale
         idx = _partner(self.rot, layout)
-        return torch.allclose(s, s[:, idx], atol=1e-4) and torch.allclose(
+        return torch.allclose(s, s[..., idx], atol=1e-4) and torch.allclose(
             c * c + s * s, torch.ones_like(c), atol=1e-3
         )
+
+    def apply(self, p: T) -> T:
+        """``p`` ``(..., T, D)`` turned by these tables (the rest times the factor)."""
+        part = p[..., : self.rot]
+        cos, sin = self.cos, self.sin
+        if self.per_sequence:  # (B, T, rot) -> (B, 1, T, rot): over the heads
+            cos, sin = cos[:, None], sin[:, None]
+        out = part * cos + pair_rotate(part, self.pairing) * sin
+        if self.rot == p.shape[-1]:
+            return out
+        return torch.cat([out, p[..., self.rot :] * self.scale], dim=-1)
 
     def angles(self, layout: str) -> T:
         """``(T, rot/2)`` the angle of every pair, reading the tables in ``layout``."""
         c, s = self.cos / self.scale, self.sin / self.scale
         first = torch.arange(self.rot // 2) if layout == "half" else torch.arange(0, self.rot, 2)
-        return torch.atan2(s[:, first], c[:, first])
+        return torch.atan2(s[..., first], c[..., first])
 
 
 def _rotation_like(t: Tables) -> bool:
@@ -261,6 +286,8 @@ def fit_tables(p: T, u: T) -> Tables | None:
         cos, sin, resid = _solve(p[..., :rot], pair_rotate(p[..., :rot], pairing), u[..., :rot])
         if resid <= 1e-4:
             fits.append(Tables(pairing, rot, cos, sin, 1.0))
+    if not fits and p.shape[0] > 2:
+        fits = _per_sequence(p, u, rot)
     if not fits:
         return None
     # both fit only where the samples cannot tell them apart: prefer the true rotation
@@ -269,7 +296,33 @@ def fit_tables(p: T, u: T) -> Tables | None:
     if bool((sin.abs() <= 1e-6 * cos.abs().amax()).all()):
         return None  # a factor that varies by position or feature, not a rotation
     scale = tail if rot < d else torch.sqrt(cos * cos + sin * sin).median().item()
-    return Tables(pairing, rot, cos, sin, scale)
+    return Tables(pairing, rot, cos, sin, scale, per_sequence=fits[0].per_sequence)
+
+
+def _per_sequence(p: T, u: T, rot: int) -> list[Tables]:
+    """Tables of their own for each sequence (positions that depend on the sequence; read
+    only on the rope probe's six sequences): one angle per (sequence, feature) fitted over
+    heads and tokens (every token of a sequence turned alike: rows picked by the batch
+    index), else one per (sequence, token, feature) fitted over the heads alone."""
+    n = p.shape[-2]
+    for over_tokens in (True, False):
+        fits = []
+        for pairing in ("half", "interleaved"):
+            pr = pair_rotate(p[..., :rot], pairing)
+            if over_tokens:  # (T, H, B, D): sums over tokens and heads
+                a, r, b = (t.transpose(0, 2) for t in (p[..., :rot], pr, u[..., :rot]))
+            else:  # (H, 1, B, T, D): sums over the heads
+                a, r, b = (t.transpose(0, 1).unsqueeze(1) for t in (p[..., :rot], pr, u[..., :rot]))
+            if over_tokens and n < 2 or not over_tokens and p.shape[1] < 2:
+                continue
+            cos, sin, resid = _solve(a, r, b)
+            if resid <= 1e-4:
+                if over_tokens:  # (B, rot) -> (B, T, rot)
+                    cos, sin = (t[:, None].expand(-1, n, -1) for t in (cos, sin))
+                fits.append(Tables(pairing, rot, cos, sin, 1.0, per_sequence=True))
+        if fits:
+            return fits
+    return []
 
 
 @dataclass
@@ -301,12 +354,39 @@ def read_side(tables: Tables, layout: str) -> tuple[SideReading, T | None]:
     return SideReading(tables, True, offset, linear), freqs
 
 
+def _by_position(t: Tables | None) -> Tables | None:
+    """Tables of each sequence (:attr:`Tables.per_sequence`) as one table whose rows are
+    positions: the first sequence's, where every sequence turns by the same frequencies
+    from a start of its own (a flattened batch whose positions count on: each sequence
+    shifted alike, which changes no score); one row per sequence where each turns all its
+    tokens alike (rows picked by the batch index: the rows read as positions 0..B-1);
+    None where the sequences disagree otherwise."""
+    if t is None or not t.per_sequence:
+        return t
+    layout = t.pairing if t.is_rotation() else t.laid_out_for()
+    if layout is None:
+        return None
+    one = [Tables(t.pairing, t.rot, c, s, t.scale) for c, s in zip(t.cos, t.sin, strict=True)]
+    ang = t.angles(layout)  # (B, T, rot/2)
+    step = torch.remainder(ang[:, 1:] - ang[:, :-1] + math.pi, 2 * math.pi) - math.pi
+    if bool((step.abs() < 1e-6).all()):
+        return Tables(t.pairing, t.rot, t.cos[:, 0], t.sin[:, 0], t.scale)
+    readings = [read_side(o, layout) for o in one]
+    freqs = [f for _, f in readings]
+    if any(not r.linear or f is None for r, f in readings):
+        return None
+    if any(not torch.allclose(f, freqs[0], atol=1e-4) for f in freqs):
+        return None
+    return one[0]
+
+
 def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -> Rope | None:
     """The reference rotation from the two sides' tables, or None when neither rotates.
 
     The frequencies come from the side that is a proper rotation (both, as a rule); the
     tables' own layout gives the pairing (a layout applied with the other pairing is the
     mistake ``rope_pairing``, which the judge then reproduces)."""
+    q_tables, k_tables = _by_position(q_tables), _by_position(k_tables)
     sides = [t for t in (q_tables, k_tables) if t is not None]
     rotated = [t for t in sides if t.turns]
     if not rotated:

@@ -112,7 +112,29 @@ def _rope_positions(c: Context) -> list[Mutation]:
             rotate=lambda r, t: rope.rotate(t.flip(-2)).flip(-2),
         )
     )
+    out.append(
+        Mutation(
+            "rope_positions",
+            Stage.ROTATED_QUERIES,
+            "every token of sequence b rotated for position b: the tables' rows picked by "
+            "the batch index, not the position (a sequence-first layout read batch-first)",
+            rotate=lambda r, t: _by_sequence(rope, t),
+        )
+    )
     return out
+
+
+def _by_sequence(rope, t: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, D)`` with every token of sequence b rotated for position b."""
+    if t.dim() < 3:
+        return rope.rotate(t, positions=torch.zeros(t.shape[-2], dtype=torch.float64))
+    n = t.shape[-2]
+    return torch.cat(
+        [
+            rope.rotate(t[i : i + 1], positions=torch.full((n,), float(i), dtype=torch.float64))
+            for i in range(t.shape[0])
+        ]
+    )
 
 
 @define("rope_on_values", expected="expected the values left unrotated: only queries and keys turn")

@@ -210,6 +210,8 @@ def named_scales(spec: Spec, tokens: int) -> list[tuple[float, str]]:
         (0.5, "1/2"),
         (2.0, "2"),
     ]
+    if spec.declared_scale is not None:  # the textbook factor, where the layer declares another
+        named.insert(0, (1.0 / math.sqrt(dk), f"1/sqrt(d_k) = 1/sqrt({dk})"))
     # equal sizes give equal factors: name them together ("1/sqrt(d_in) = 1/sqrt(d_out) = ...")
     merged: dict[float, tuple[float, list[str], str]] = {}
     for value, text in named:
@@ -249,7 +251,9 @@ def with_scale(m: Mutation, value: float, text: str) -> Mutation:
 @define(
     "missing_scale",
     expected=lambda s: (
-        f"expected scores / sqrt(d_k) with d_k = keys.shape[-1] = {s.head_dim} "
+        f"expected the scale the layer declares, {s.scale_source} = {s.scale:.4g}"
+        if s.declared_scale is not None
+        else f"expected scores / sqrt(d_k) with d_k = keys.shape[-1] = {s.head_dim} "
         f"(factor {s.scale:.4g})"
     ),
 )
@@ -264,6 +268,8 @@ def _missing_scale(c: Context) -> list[Mutation]:
 def _wrong_scale_expected(s: Spec) -> str:
     if s.simplified:
         return "expected the raw scores: simplified attention (no trainable weights) is not scaled"
+    if s.declared_scale is not None:
+        return f"expected the scale the layer declares, {s.scale_source} = {s.scale:.4g}"
     per_head = " per head" if s.num_heads > 1 else ""
     return (
         f"expected 1/sqrt(d_k) = 1/sqrt({s.head_dim}) = {s.scale:.4g}, d_k being the keys' "
@@ -273,6 +279,8 @@ def _wrong_scale_expected(s: Spec) -> str:
 
 def _wrong_scale_headline(mut: Mutation, s: Spec) -> str:
     said = f"{mut.stage.value}: scores scaled by {mut.facts.get('name')}"
+    if s.declared_scale is not None:
+        return f"{said} instead of the declared {s.scale_source}"
     return said if s.simplified else f"{said} instead of 1/sqrt(d_k)"
 
 
