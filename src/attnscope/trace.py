@@ -23,7 +23,7 @@ from .display import RenderedFigures
 from .errors import AttnScopeError, check_embeddings, check_labels, check_token_index, describe
 from .stages import Dims, Stage
 
-__all__ = ["Trace", "Traceable", "QueryWalk", "RowRecord", "ShapeCheck", "trace"]
+__all__ = ["Trace", "Traceable", "QueryWalk", "RowRecord", "ShapeCheck", "row_stages", "trace"]
 
 
 class Traceable(nn.Module):
@@ -97,6 +97,19 @@ class Traceable(nn.Module):
                 bias_slopes=slopes,
                 record=record,
             )
+            if not record.every_query:  # the chosen rows alone (row_stages)
+                context = AF.blocked_attention(
+                    queries,
+                    keys,
+                    values,
+                    causal=causal,
+                    window=window,
+                    bias_slopes=slopes,
+                    block=record.block,
+                    rows=record.rows,
+                )
+                record[Stage.CONTEXT.value] = context
+                return context
             context, record.summary = AF.attention_summary(
                 queries,
                 keys,
@@ -279,9 +292,14 @@ class RowRecord(dict):
     chosen query ``rows``, ``k`` heaviest keys per summary, the ``block`` size); the core
     leaves every query's :class:`~attnscope.functional.AttentionSummary` in ``summary``."""
 
-    def __init__(self, rows: tuple[int, ...], k: int = 4, block: int = 512):
+    def __init__(
+        self, rows: tuple[int, ...], k: int = 4, block: int = 512, every_query: bool = True
+    ):
         super().__init__()
         self.rows, self.k, self.block = rows, k, block
+        #: False: the context (and output) of the chosen rows only, no summary
+        #: (:func:`row_stages`)
+        self.every_query = every_query
         self.summary: AF.AttentionSummary | None = None
         #: what the scores were made of and how (queries, keys, causal, window, slopes,
         #: scale): a pooled picture of the whole matrix is computed again from them
@@ -536,6 +554,26 @@ def trace(
         tr._summary = record.summary.reshaped(stages[Stage.CONTEXT.value].shape[:-1])
         tr._core = record.core
     return tr
+
+
+def row_stages(
+    module: Traceable, x: torch.Tensor, rows: Sequence[int], **options
+) -> dict[str, torch.Tensor]:
+    """The stages of a module's forward pass for the chosen query ``rows`` only, in
+    ``O(len(rows) * T)``: queries, keys and values whole, every matrix stage, the context
+    and the output ``(..., len(rows), ...)`` of those rows (no summary, no other query).
+
+    What a check compares when it needs a few rows of another forward pass (a changed
+    input, a changed layer) and not a whole trace. ``options`` go to the module's pipeline
+    (``offset=`` for a :class:`~attnscope.GroupedQueryAttention`). Runs in eval mode.
+    """
+    x, context = module._check_inputs(x, None)
+    record = RowRecord(AF.check_rows(rows, x.shape[-2]), every_query=False)
+    modes = {m: m.training for m in module.modules()}
+    with torch.no_grad(), _eval_mode(modes):
+        out = module._pipeline(x, record, **options)
+    record.setdefault(Stage.OUTPUT.value, out)
+    return dict(record)
 
 
 @contextmanager
