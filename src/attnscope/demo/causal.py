@@ -19,6 +19,7 @@ from .checks import (
     seeded,
     shapes,
     show,
+    trace_rows,
     walk_check,
 )
 
@@ -39,7 +40,7 @@ def walk(
     with seeded(s):
         ca = CausalAttention(x.shape[-1], D_OUT, context_length=x.shape[-2], dropout=0.0)
     ca.eval()
-    tr = ca.trace(x, labels=labels, rows=rows)
+    tr = trace_rows(ca, x, labels, rows)
     steps = [
         _masked_scores(tr, s),
         _masked_weights(tr),

@@ -9,7 +9,7 @@ import torch
 
 from ..formatting import format_values
 from ..lesson import Check, Shown
-from ..trace import ShapeCheck, Trace, Traceable, row_stages
+from ..trace import ShapeCheck, Trace, Traceable, row_stages, trace
 
 #: The seeds the book uses: V1, causal and multi-head with 123, V2 with 789.
 BOOK_SEEDS = {"self": 123, "v2": 789, "causal": 123, "multihead": 123, "causal-multihead": 123}
@@ -20,6 +20,8 @@ BOOK_TOKEN = 1
 #: block without a tokens x tokens matrix (one is 4 MB per head at 1024 tokens, and its
 #: pictures are pooled anyway).
 LONG_TOKENS = 1024
+#: The blocks (of queries and of keys) a long input's row traces compute the context over.
+LONG_BLOCK = 512
 #: Scores further than this below their row's largest get a softmax weight that may
 #: underflow float32 to exactly 0 (exp(-80) is about 1.8e-35; exp(-104) is 0).
 EXP_RANGE = 80.0
@@ -188,6 +190,19 @@ def demo_rows(tokens: int, token: int) -> tuple[int, ...] | None:
     if tokens < LONG_TOKENS:
         return None
     return (token,) if token == tokens - 1 else (token, tokens - 1)
+
+
+def trace_rows(
+    target: Traceable | str, x: torch.Tensor, labels: Sequence[str], rows: Sequence[int] | None
+) -> Trace:
+    """A part's trace of ``target`` (a module, or ``"simplified"``): full when ``rows`` is
+    None, else a row trace of those queries whose summary is left for later (the demo's
+    steps never read it; an HTML report computes it on first use)."""
+    if rows is None:
+        if isinstance(target, str):
+            return trace(target, x, labels=labels)
+        return target.trace(x, labels=labels)
+    return trace(target, x, labels=labels, rows=rows, block=LONG_BLOCK, summary=False)
 
 
 def rows_of(tr: Trace, tensor: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from .checks import (
     seeded,
     shapes,
     show,
+    trace_rows,
     walk_check,
 )
 
@@ -53,13 +54,16 @@ def walk(
     ``(steps, trace)``; ``rows``: row traces of those queries (a long input)."""
     s = SEED if seed is None else seed
     layer = _layer(x, s)
-    tr = layer.trace(x, labels=labels, rows=rows)
+    tr = trace_rows(layer, x, labels, rows)
     windowed = _layer(x, s, window=WINDOW)
     alibi = _layer(x, s, heads=ALIBI_HEADS, alibi=True)
     variants = {
         f"{HEADS} heads, {KV_HEADS} kv heads": (layer, tr),
-        f"window={WINDOW}": (windowed, windowed.trace(x, labels=labels, rows=rows)),
-        f"ALiBi, {ALIBI_HEADS} heads": (alibi, alibi.trace(x, labels=labels, rows=rows)),
+        f"window={WINDOW}": (windowed, trace_rows(windowed, x, labels, rows)),
+        f"ALiBi, {ALIBI_HEADS} heads": (
+            alibi,
+            trace_rows(alibi, x, labels, rows),
+        ),
     }
     steps = [
         _shapes(tr, layer, s),

@@ -18,6 +18,7 @@ from .checks import (
     seeded,
     shapes,
     show,
+    trace_rows,
     walk_check,
 )
 
@@ -37,7 +38,7 @@ def walk(x, labels, t, is_book, seed, causal=False, rows=None):
             x.shape[-1], D_OUT, x.shape[-2], 0.0, num_heads=HEADS, causal=causal
         )
     mha.eval()
-    tr = mha.trace(x, labels=labels, rows=rows)
+    tr = trace_rows(mha, x, labels, rows)
     steps = [
         _split_heads(tr, part, s, causal),
         _per_head(tr, part, t, causal),

@@ -25,6 +25,7 @@ from .checks import (
     seeded,
     shapes,
     show,
+    trace_rows,
     walk_check,
 )
 
@@ -44,7 +45,7 @@ def walk(
     with seeded(s):
         layer = GroupedQueryAttention(x.shape[-1], D_OUT, HEADS)
     layer.eval()
-    tr = layer.trace(x, labels=labels, rows=rows)
+    tr = trace_rows(layer, x, labels, rows)
     steps = [
         _rotate(tr, layer, s),
         _rotated_scores(tr, layer, x, t),

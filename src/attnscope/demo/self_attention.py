@@ -30,6 +30,7 @@ from .checks import (
     seeded,
     shapes,
     show,
+    trace_rows,
     walk_check,
 )
 
@@ -46,7 +47,7 @@ def walk(
     with seeded(seed_v1):
         v1 = SelfAttentionV1(x.shape[-1], D_OUT)
     before = {n: p.detach().clone() for n, p in v1.named_parameters()}
-    tr = v1.trace(x, labels=labels, rows=rows)
+    tr = trace_rows(v1, x, labels, rows)
     one = tr.walk(t)
     book_t = is_book and t == BOOK_TOKEN
     steps = [

@@ -12,7 +12,7 @@ import torch
 from .. import functional as AF
 from ..examples import TOY_TOKENS, toy_scores
 from ..lesson import Check, Shown, Step
-from ..trace import ShapeCheck, Trace, trace
+from ..trace import ShapeCheck, Trace
 from .checks import (
     BOOK_TOKEN,
     EXP_RANGE,
@@ -24,6 +24,7 @@ from .checks import (
     rows_are_distributions,
     shapes,
     show,
+    trace_rows,
     walk_check,
 )
 
@@ -33,7 +34,7 @@ PART = "simplified"
 def walk(x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, rows=None):
     """The weightless walk on ``x`` ``(T, d_in)`` for query ``t``: ``(steps, trace)``;
     ``rows``: a row trace of those queries (a long input)."""
-    tr = trace("simplified", x, labels=labels, rows=rows)
+    tr = trace_rows("simplified", x, labels, rows)
     is_book = is_book and t == BOOK_TOKEN
     scores = AF.query_scores_dot(x, x[t])
     steps = [
