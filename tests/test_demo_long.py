@@ -167,8 +167,7 @@ def test_a_mask_that_hides_too_little_is_caught_on_rows(long, monkeypatch):
     real = blocked._hidden
 
     def leaky(qpos, kpos, causal, window):
-        hide = real(qpos - 1, kpos, causal, None if window is None else window + 1)
-        return hide
+        return real(qpos + 1, kpos, causal, None if window is None else window + 2)
 
     monkeypatch.setattr(blocked, "_hidden", leaky)
     failed = _failed(run_demo("all", x=_x()))

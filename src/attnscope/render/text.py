@@ -128,10 +128,16 @@ def format_tensor(
         finite = t[torch.isfinite(t)]
         if finite.numel() == 0:
             return f"{tuple(t.shape)}: no finite values"
-        return (
+        text = (
             f"{tuple(t.shape)}: min {_num(finite.min().item())}, max {_num(finite.max().item())}, "
             f"mean {_num(finite.mean().item())} (too large to print)"
         )
+        # which rows and columns these are, in short lists (a long input's chosen rows)
+        if t.dim() >= 2 and rows is not None and len(rows) == t.shape[-2]:
+            text += f"; rows {_label_list(rows)}"
+        if cols is not None and len(cols) == t.shape[-1]:
+            text += f"; columns {_label_list(cols)}"
+        return text
     if t.dim() == 0:
         return _num(t.item())
     if t.dim() == 1:
@@ -162,6 +168,15 @@ def format_tensor(
         prefix = row_names[i].ljust(lead) + "  " if row_names else ""
         lines.append(prefix + "  ".join(c.rjust(width) for c in row))
     return "\n".join(lines)
+
+
+def _label_list(labels: Sequence[str], most: int = 6) -> str:
+    """Labels for one line, comma-separated: all of them, or the first and last few of a
+    long list (``Your, journey, starts, with, …, one, step (10,000 tokens)``)."""
+    labels = [str(label) for label in labels]
+    if len(labels) <= most:
+        return ", ".join(labels)
+    return f"{', '.join(labels[: most - 2])}, …, {', '.join(labels[-2:])} ({len(labels):,} tokens)"
 
 
 def _block(out: _Out, name: str, text: str, indent: str = "  ") -> None:
