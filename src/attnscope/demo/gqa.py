@@ -136,7 +136,7 @@ def _sharing(tr: Trace, layer: GroupedQueryAttention, x: torch.Tensor) -> Step:
             Check(
                 name,
                 changed == expected,
-                f"changed: query heads {', '.join(map(str, changed)) or 'none'}",
+                f"changed: query heads {', '.join(map(str, changed)) or 'none'}{_of_rows(tr)}",
             )
         )
     return Step(
@@ -157,6 +157,11 @@ def _sharing(tr: Trace, layer: GroupedQueryAttention, x: torch.Tensor) -> Step:
         ],
         checks,
     )
+
+
+def _of_rows(tr: Trace) -> str:
+    """`` (rows 1, 9999)`` for a row trace: which rows a check compared; "" otherwise."""
+    return "" if tr.rows is None else f" (rows {', '.join(map(str, tr.rows))})"
 
 
 def _copied_to_groups(grouped: GroupedQueryAttention, x: torch.Tensor) -> GroupedQueryAttention:
@@ -232,7 +237,7 @@ def _window(layer: GroupedQueryAttention, tr: Trace, x: torch.Tensor) -> Step:
         Check(
             f"query i sees min(i + 1, {w}) keys, in every head",
             bool((visible.sum(-1) == expected).all()),
-            f"visible keys per query: {' '.join(map(str, counts.tolist()))}; "
+            f"visible keys per query{_of_rows(tr)}: {' '.join(map(str, counts.tolist()))}; "
             f"expected {' '.join(map(str, expected.tolist()))}",
         ),
         Check(
