@@ -222,3 +222,15 @@ def test_weights_rows_that_do_not_sum_to_1_are_caught_on_rows(long):
     assert not check.ok and "above the diagonal" in check.name
     # the same weights read as rows 0 and 1 of a full trace are wrong the other way round
     assert not rows_are_distributions(w, logits, causal=True, rows=[0, 1]).ok
+
+
+def test_the_walk_of_a_query_far_from_the_start_allows_for_alibis_large_bias():
+    """ALiBi adds -slope * distance: at 1,500 tokens a logit near -750, whose float32
+    rounding (a unit in the last place is 6e-5) the walk must allow for."""
+    x = torch.randn(1500, 3, generator=torch.Generator().manual_seed(0))
+    with torch.random.fork_rng():
+        torch.manual_seed(123)
+        layer = GroupedQueryAttention(3, 16, 8, 2, alibi=True).eval()
+    tr = layer.trace(x, rows=[1499], summary=False)
+    walk = tr.walk(1499)
+    assert walk.scores_match and walk.matches
