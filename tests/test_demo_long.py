@@ -234,3 +234,20 @@ def test_the_walk_of_a_query_far_from_the_start_allows_for_alibis_large_bias():
     tr = layer.trace(x, rows=[1499], summary=False)
     walk = tr.walk(1499)
     assert walk.scores_match and walk.matches
+
+
+def test_long_tensors_name_their_rows_and_columns_in_short_lists(long):
+    words = ("Your", "journey", "starts", "with", "one", "step")
+    tokens = 102  # (2, 102) weights: too many values to print
+    labels = [words[i % 6] for i in range(tokens)]
+    text = demo_text(run_demo("self", x=_x(tokens), labels=labels), color=False)
+    line = next(s for s in text.splitlines() if s.strip().startswith(f"weights  (2, {tokens})"))
+    assert line.endswith(
+        f"rows journey (1), step ({tokens - 1}); columns Your, journey, starts, with, …, one, "
+        f"step ({tokens} tokens)"
+    )
+    # positions 0, 1, 2, ... go without saying; heads are counted as heads
+    plain = demo_text(run_demo("gqa", x=_x(tokens)), color=False)
+    assert "columns 0, 1, 2" not in plain and "rows 0, 1, 2" not in plain
+    alibi = next(s for s in plain.splitlines() if "bias of token 1" in s)
+    assert alibi.endswith("rows head 0, head 1, head 2, head 3, …, head 6, head 7 (8 heads)")

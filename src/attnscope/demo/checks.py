@@ -227,8 +227,13 @@ def hidden_rule(tr: Trace, window: int | None = None) -> torch.Tensor:
 
 
 def row_labels(tr: Trace) -> tuple[str, ...]:
-    """The labels of the rows of ``tr``'s matrix stages."""
-    return tr.labels if tr.rows is None else tuple(tr.labels[r] for r in tr.rows)
+    """The labels of the rows of ``tr``'s matrix stages; a row trace's with their positions
+    where the label is not the position itself (``journey (1)``)."""
+    if tr.rows is None:
+        return tr.labels
+    return tuple(
+        tr.labels[r] if tr.labels[r] == str(r) else f"{tr.labels[r]} ({r})" for r in tr.rows
+    )
 
 
 def forward_stages(
