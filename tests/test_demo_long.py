@@ -251,3 +251,10 @@ def test_long_tensors_name_their_rows_and_columns_in_short_lists(long):
     assert "columns 0, 1, 2" not in plain and "rows 0, 1, 2" not in plain
     alibi = next(s for s in plain.splitlines() if "bias of token 1" in s)
     assert alibi.endswith("rows head 0, head 1, head 2, head 3, …, head 6, head 7 (8 heads)")
+
+
+def test_the_threshold_and_the_rows_chosen():
+    assert demo_checks.LONG_TOKENS == 1024
+    assert demo_checks.demo_rows(1023, 1) is None
+    assert demo_checks.demo_rows(1024, 1) == (1, 1023)
+    assert demo_checks.demo_rows(1024, 1023) == (1023,)
