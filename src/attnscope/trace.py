@@ -23,7 +23,7 @@ from .display import RenderedFigures
 from .errors import AttnScopeError, check_embeddings, check_labels, check_token_index, describe
 from .stages import Dims, Stage
 
-__all__ = ["Trace", "Traceable", "QueryWalk", "RowRecord", "ShapeCheck", "trace"]
+__all__ = ["Trace", "Traceable", "QueryWalk", "RowRecord", "ShapeCheck", "row_stages", "trace"]
 
 
 class Traceable(nn.Module):
@@ -97,26 +97,21 @@ class Traceable(nn.Module):
                 bias_slopes=slopes,
                 record=record,
             )
-            context, record.summary = AF.attention_summary(
-                queries,
-                keys,
-                values,
-                causal=causal,
-                window=window,
-                bias_slopes=slopes,
-                block=record.block,
-                k=record.k,
-            )
-            record[Stage.CONTEXT.value] = context
-            record.core = {
-                "queries": queries,
-                "keys": keys,
-                "causal": causal,
-                "window": window,
-                "bias_slopes": slopes,
-                "scale": None,
-            }
-            return context
+            if not record.every_query:  # the chosen rows alone (row_stages)
+                context = AF.blocked_attention(
+                    queries,
+                    keys,
+                    values,
+                    causal=causal,
+                    window=window,
+                    bias_slopes=slopes,
+                    block=record.block,
+                    rows=record.rows,
+                )
+                record[Stage.CONTEXT.value] = context
+                return context
+            core = {"causal": causal, "window": window, "bias_slopes": slopes, "scale": None}
+            return record.run_core(queries, keys, values, core)
         bias = None
         if slopes is not None:
             t_q, t_k = queries.shape[-2], keys.shape[-2]
@@ -157,10 +152,13 @@ class Traceable(nn.Module):
         rows: Sequence[int] | None = None,
         k: int = 4,
         block: int = 512,
+        summary: bool = True,
     ) -> Trace:
         """Run the explicit path and return every stage by name (see :class:`Trace`);
         with ``rows``, a row trace (see :func:`trace`)."""
-        return trace(self, x, labels=labels, context=context, rows=rows, k=k, block=block)
+        return trace(
+            self, x, labels=labels, context=context, rows=rows, k=k, block=block, summary=summary
+        )
 
     # What Trace.walk asks of a module: one query computed alone. The defaults are the
     # book's layers: a projection (split into heads), a causal row, no bias.
@@ -279,10 +277,25 @@ class RowRecord(dict):
     chosen query ``rows``, ``k`` heaviest keys per summary, the ``block`` size); the core
     leaves every query's :class:`~attnscope.functional.AttentionSummary` in ``summary``."""
 
-    def __init__(self, rows: tuple[int, ...], k: int = 4, block: int = 512):
+    def __init__(
+        self,
+        rows: tuple[int, ...],
+        k: int = 4,
+        block: int = 512,
+        every_query: bool = True,
+        summary: bool = True,
+    ):
         super().__init__()
         self.rows, self.k, self.block = rows, k, block
+        #: False: the context (and output) of the chosen rows only, no summary
+        #: (:func:`row_stages`)
+        self.every_query = every_query
+        #: False: the context alone in the blocked pass, the summary left for later (the
+        #: values are kept in ``core``, and :attr:`Trace.summary` computes it on first use)
+        self.want_summary = summary
         self.summary: AF.AttentionSummary | None = None
+        #: what a summary left for later needs besides ``core`` (values, k, block)
+        self.deferred: dict | None = None
         #: what the scores were made of and how (queries, keys, causal, window, slopes,
         #: scale): a pooled picture of the whole matrix is computed again from them
         self.core: dict | None = None
@@ -292,16 +305,21 @@ class RowRecord(dict):
         the scores are not scaled."""
         AF.attend_rows(x, x, self.rows, scale=1.0, record=self)
         del self[Stage.SCALED_SCORES.value]
-        context, self.summary = AF.attention_summary(x, x, x, scale=1.0, block=self.block, k=self.k)
+        core = {"causal": False, "window": None, "bias_slopes": None, "scale": 1.0}
+        self.run_core(x, x, x, core)
+
+    def run_core(self, queries, keys, values, core: dict) -> torch.Tensor:
+        """Every query's context over blocks of keys (and its summary, unless left for
+        later); ``core``: how the scores are made (causal, window, bias_slopes, scale)."""
+        options = {"block": self.block, **core}
+        if self.want_summary:
+            context, self.summary = AF.attention_summary(queries, keys, values, k=self.k, **options)
+        else:
+            context = AF.blocked_attention(queries, keys, values, **options)
+            self.deferred = {"values": values, "k": self.k, "block": self.block}
         self[Stage.CONTEXT.value] = context
-        self.core = {
-            "queries": x,
-            "keys": x,
-            "causal": False,
-            "window": None,
-            "bias_slopes": None,
-            "scale": 1.0,
-        }
+        self.core = {"queries": queries, "keys": keys, **core}
+        return context
 
 
 @dataclass
@@ -332,13 +350,25 @@ class Trace(RenderedFigures):
     rows: tuple[int, ...] | None = None
     _summary: AF.AttentionSummary | None = field(default=None, repr=False)
     _core: dict | None = field(default=None, repr=False)
+    _deferred: dict | None = field(default=None, repr=False)
 
     @property
     def summary(self) -> AF.AttentionSummary:
         """Every query's summary (entropy, largest weight and key, top-k keys, weight on
         the first token, mean distance), ``(..., T)`` per field: a row trace computes it
         blockwise with the context; a full trace from its ``weights``."""
-        if self._summary is None:
+        if self._summary is None and self._deferred is not None:  # a row trace's, left for later
+            core, more = dict(self._core), self._deferred
+            _, summary = AF.attention_summary(
+                core.pop("queries"),
+                core.pop("keys"),
+                more["values"],
+                k=more["k"],
+                block=more["block"],
+                **core,
+            )
+            self._summary = summary.reshaped(self.stages[Stage.CONTEXT.value].shape[:-1])
+        elif self._summary is None:
             self._summary = AF.summarize_weights(self.stages[Stage.WEIGHTS.value])
         return self._summary
 
@@ -460,6 +490,7 @@ def trace(
     rows: Sequence[int] | None = None,
     k: int = 4,
     block: int = 512,
+    summary: bool = True,
 ) -> Trace:
     """Run ``target`` on ``x`` through its explicit path and record every stage.
 
@@ -475,6 +506,9 @@ def trace(
             ``block`` keys in linear memory, and :attr:`Trace.summary` holds every query's
             summary (``k`` heaviest keys) from the same pass. Negative positions count from
             the end.
+        summary: with ``rows``, ``False`` computes the context alone (a lighter pass) and
+            leaves every query's summary to the first use of :attr:`Trace.summary` (one more
+            pass then): for a caller that may never read it.
 
     A module runs in eval mode while it is traced, so dropout is off and every recorded
     stage belongs to one computation (``weights`` is what ``context`` was made from); each
@@ -488,7 +522,7 @@ def trace(
                 f"{describe(target)}"
             )
         tokens = check_embeddings(x).shape[-2]
-        record = RowRecord(AF.check_rows(rows, tokens), k=k, block=block)
+        record = RowRecord(AF.check_rows(rows, tokens), k=k, block=block, summary=summary)
     modes = {m: m.training for m in target.modules()} if isinstance(target, nn.Module) else {}
     with torch.no_grad(), _eval_mode(modes):
         if isinstance(target, str):
@@ -533,9 +567,30 @@ def trace(
     if isinstance(record, RowRecord):
         tr.rows = record.rows
         # the summary's leading shape is the context's (a batch of one squeezed with it)
-        tr._summary = record.summary.reshaped(stages[Stage.CONTEXT.value].shape[:-1])
-        tr._core = record.core
+        if record.summary is not None:
+            tr._summary = record.summary.reshaped(stages[Stage.CONTEXT.value].shape[:-1])
+        tr._core, tr._deferred = record.core, record.deferred
     return tr
+
+
+def row_stages(
+    module: Traceable, x: torch.Tensor, rows: Sequence[int], **options
+) -> dict[str, torch.Tensor]:
+    """The stages of a module's forward pass for the chosen query ``rows`` only, in
+    ``O(len(rows) * T)``: queries, keys and values whole, every matrix stage, the context
+    and the output ``(..., len(rows), ...)`` of those rows (no summary, no other query).
+
+    What a check compares when it needs a few rows of another forward pass (a changed
+    input, a changed layer) and not a whole trace. ``options`` go to the module's pipeline
+    (``offset=`` for a :class:`~attnscope.GroupedQueryAttention`). Runs in eval mode.
+    """
+    x, context = module._check_inputs(x, None)
+    record = RowRecord(AF.check_rows(rows, x.shape[-2]), every_query=False)
+    modes = {m: m.training for m in module.modules()}
+    with torch.no_grad(), _eval_mode(modes):
+        out = module._pipeline(x, record, **options)
+    record.setdefault(Stage.OUTPUT.value, out)
+    return dict(record)
 
 
 @contextmanager
@@ -648,7 +703,11 @@ def _rounding(
         size, err = size / d_k**0.5, err + 2 * eps
     zero = torch.zeros_like(logits)
     diff = torch.where(visible, (logits - batched_logits).abs(), zero)
-    scores_ok = bool((diff <= err * size + 1e-6).all())
+    allowed = err * size + 1e-6
+    if "biased_scores" in tr:  # a large bias (ALiBi far from the query) and a score, each
+        # rounded to float32 after the sum: half a unit in the last place of the logit, twice
+        allowed = allowed + 2 * eps * torch.where(visible, batched_logits.abs(), zero)
+    scores_ok = bool((diff <= allowed).all())
     delta = diff.amax(-1, keepdim=True)  # (1,) or (H, 1)
     v_max = values.abs().amax((-2, -1)).reshape(delta.shape)
     return scores_ok, (torch.expm1(2 * delta) + gamma(4 * keys.shape[-2] + 8)) * v_max

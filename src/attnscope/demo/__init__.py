@@ -31,6 +31,7 @@ from ..lesson import Check, DemoResult, Shown, Step
 from ..modules import CausalAttention, MultiHeadAttention, SelfAttentionV1
 from ..trace import Trace, trace
 from . import causal, gqa, multihead, rope, self_attention, simplified
+from . import checks as _checks
 from .checks import BOOK_SEEDS, logits, rows_are_distributions, seeded, walk_check
 
 __all__ = [
@@ -103,6 +104,10 @@ def run_demo(
             negative positions count from the end.
         seed: the seed for every module; by default the book's (123, and 789 for V2).
 
+    From :data:`~attnscope.demo.checks.LONG_TOKENS` tokens on, every part walks row traces
+    (the query's row and the last token's): no step builds a tokens x tokens matrix, and
+    each check works on those rows, on positions, or on whole (linear) outputs.
+
     Returns:
         a :class:`DemoResult`; ``.ok`` says whether every check passed.
     """
@@ -127,15 +132,17 @@ def run_demo(
     labels = tuple(str(i) for i in range(tokens)) if labels is None else labels
     labels = check_labels(labels, tokens)
     t = default_token(tokens, token)
+    # a long input: every part walks row traces of the query (and the last token)
+    rows = _checks.demo_rows(tokens, t)
 
     steps: list[Step] = []
     traces: dict[str, Trace] = {}
     with torch.no_grad():
         for part in parts:
             if part == "simplified":
-                new, tr = simplified.walk(x, labels, t, book)
+                new, tr = simplified.walk(x, labels, t, book, rows=rows)
             else:
-                new, tr = _WALKS[part](x, labels, t, book, seed)
+                new, tr = _WALKS[part](x, labels, t, book, seed, rows=rows)
             steps += new
             traces[part] = tr
     return DemoResult(steps, traces, t, book)

@@ -9,12 +9,19 @@ import torch
 
 from ..formatting import format_values
 from ..lesson import Check, Shown
-from ..trace import ShapeCheck, Trace
+from ..trace import ShapeCheck, Trace, Traceable, row_stages, trace
 
 #: The seeds the book uses: V1, causal and multi-head with 123, V2 with 789.
 BOOK_SEEDS = {"self": 123, "v2": 789, "causal": 123, "multihead": 123, "causal-multihead": 123}
 #: The book's query: token 1, "journey".
 BOOK_TOKEN = 1
+#: From this many tokens on, the demo walks every part with row traces: the matrix stages
+#: keep the query's row (and the last token's) only, everything else is computed block by
+#: block without a tokens x tokens matrix (one is 4 MB per head at 1024 tokens, and its
+#: pictures are pooled anyway).
+LONG_TOKENS = 1024
+#: The blocks (of queries and of keys) a long input's row traces compute the context over.
+LONG_BLOCK = 512
 #: Scores further than this below their row's largest get a softmax weight that may
 #: underflow float32 to exactly 0 (exp(-80) is about 1.8e-35; exp(-104) is 0).
 EXP_RANGE = 80.0
@@ -171,4 +178,83 @@ def show(name: str, t: torch.Tensor, tr: Trace, square: bool = False) -> Shown:
     if t.dim() < 2:
         cols = tr.labels if t.shape[-1] == tr.dims.tokens and square else None
         return Shown(name, t, None, cols)
-    return Shown(name, t, tr.labels, tr.labels if square else None)
+    return Shown(name, t, row_labels(tr) if square else tr.labels, tr.labels if square else None)
+
+
+# --- long inputs: row traces ---------------------------------------------------------------------
+
+
+def demo_rows(tokens: int, token: int) -> tuple[int, ...] | None:
+    """The query rows the demo traces: ``None`` (every row) below :data:`LONG_TOKENS`
+    tokens, else the query ``token`` and the last token."""
+    if tokens < LONG_TOKENS:
+        return None
+    return (token,) if token == tokens - 1 else (token, tokens - 1)
+
+
+def trace_rows(
+    target: Traceable | str, x: torch.Tensor, labels: Sequence[str], rows: Sequence[int] | None
+) -> Trace:
+    """A part's trace of ``target`` (a module, or ``"simplified"``): full when ``rows`` is
+    None, else a row trace of those queries whose summary is left for later (the demo's
+    steps never read it; an HTML report computes it on first use)."""
+    if rows is None:
+        if isinstance(target, str):
+            return trace(target, x, labels=labels)
+        return target.trace(x, labels=labels)
+    return trace(target, x, labels=labels, rows=rows, block=LONG_BLOCK, summary=False)
+
+
+def rows_of(tr: Trace, tensor: torch.Tensor) -> torch.Tensor:
+    """The chosen rows of a per-token tensor ``(..., T, d)`` of ``tr`` (the rows its matrix
+    stages keep); the tensor itself for a full trace."""
+    return tensor if tr.rows is None else tensor[..., list(tr.rows), :]
+
+
+def query_positions(tr: Trace) -> torch.Tensor:
+    """``(R,)`` the query position of every row of ``tr``'s matrix stages."""
+    if tr.rows is None:
+        return torch.arange(tr.dims.tokens)
+    return torch.tensor(tr.rows)
+
+
+def hidden_rule(tr: Trace, window: int | None = None) -> torch.Tensor:
+    """``(R, T)`` True where the causal mask (and a sliding ``window``) hides key ``j`` from
+    the query of row ``r``: built from positions alone, for the rows ``tr`` keeps."""
+    back = query_positions(tr)[:, None] - torch.arange(tr.dims.tokens)[None, :]
+    hidden = back < 0
+    return hidden if window is None else hidden | (back >= window)
+
+
+def row_labels(tr: Trace) -> tuple[str, ...]:
+    """The labels of the rows of ``tr``'s matrix stages; a row trace's with their positions
+    where the label is not the position itself (``journey (1)``)."""
+    if tr.rows is None:
+        return tr.labels
+    return tuple(
+        tr.labels[r] if tr.labels[r] == str(r) else f"{tr.labels[r]} ({r})" for r in tr.rows
+    )
+
+
+def forward_stages(
+    module: Traceable, x: torch.Tensor, rows: Sequence[int] | None
+) -> dict[str, torch.Tensor]:
+    """Another forward pass of ``module`` on ``x``, as stages: a full trace's (and
+    ``output``) when ``rows`` is None, else :func:`~attnscope.trace.row_stages` of those
+    rows (context and output of those rows only, no tokens x tokens matrix)."""
+    if rows is not None:
+        return row_stages(module, x, rows)
+    tr = module.trace(x)
+    return {**tr.stages, "output": tr.result}
+
+
+def matrix_note(tr: Trace) -> str:
+    """For a row trace, what a tokens x tokens matrix stage holds instead ("" otherwise)."""
+    if tr.rows is None:
+        return ""
+    names = " and ".join(f"{r} ({tr.labels[r]!r})" for r in tr.rows)
+    return (
+        f" (with {tr.dims.tokens:,} tokens only the rows of queries {names} are kept, "
+        f"{len(tr.rows)} x {tr.dims.tokens:,}, computed without the matrix; every context "
+        "row is computed block by block)"
+    )

@@ -11,12 +11,26 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 
 from .. import functional as AF
 from ..grouped import GroupedQueryAttention
 from ..lesson import Check, Shown, Step
-from ..trace import ShapeCheck, Trace
-from .checks import agree, maxdiff, seeded, shapes, show, walk_check
+from ..trace import ShapeCheck, Trace, row_stages
+from .checks import (
+    agree,
+    forward_stages,
+    hidden_rule,
+    matrix_note,
+    maxdiff,
+    query_positions,
+    rows_of,
+    seeded,
+    shapes,
+    show,
+    trace_rows,
+    walk_check,
+)
 
 PART = "gqa"
 SEED = 123  # the book's seed, as in the other parts
@@ -33,23 +47,28 @@ def _layer(x: torch.Tensor, seed: int, heads: int = HEADS, kv: int = KV_HEADS, *
     return layer.eval()
 
 
-def walk(x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, seed: int | None):
+def walk(
+    x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, seed: int | None, rows=None
+):
     """GroupedQueryAttention on ``x`` ``(T, d_in)``, 4 query heads, 2 kv heads:
-    ``(steps, trace)``."""
+    ``(steps, trace)``; ``rows``: row traces of those queries (a long input)."""
     s = SEED if seed is None else seed
     layer = _layer(x, s)
-    tr = layer.trace(x, labels=labels)
+    tr = trace_rows(layer, x, labels, rows)
     windowed = _layer(x, s, window=WINDOW)
     alibi = _layer(x, s, heads=ALIBI_HEADS, alibi=True)
     variants = {
         f"{HEADS} heads, {KV_HEADS} kv heads": (layer, tr),
-        f"window={WINDOW}": (windowed, windowed.trace(x, labels=labels)),
-        f"ALiBi, {ALIBI_HEADS} heads": (alibi, alibi.trace(x, labels=labels)),
+        f"window={WINDOW}": (windowed, trace_rows(windowed, x, labels, rows)),
+        f"ALiBi, {ALIBI_HEADS} heads": (
+            alibi,
+            trace_rows(alibi, x, labels, rows),
+        ),
     }
     steps = [
         _shapes(tr, layer, s),
         _sharing(tr, layer, x),
-        _mqa_to_mha(x, labels, s),
+        _mqa_to_mha(x, labels, s, rows),
         _window(*variants[f"window={WINDOW}"], x),
         _alibi(*variants[f"ALiBi, {ALIBI_HEADS} heads"], t),
         _fast_path(variants, x),
@@ -69,7 +88,7 @@ def _shapes(tr: Trace, layer: GroupedQueryAttention, seed: int) -> Step:
         f"Predict: head_dim = {D_OUT} // {HEADS} = {hd}; queries ({HEADS}, {d.tokens}, {hd}), "
         f"keys and values ({KV_HEADS}, {d.tokens}, {hd}): W_key and W_value give "
         f"{kv_width} features, 1/{group} of W_query's {HEADS * hd}; the scores still have one "
-        f"matrix per query head ({HEADS}, {d.tokens}, {d.tokens}).",
+        f"matrix per query head ({HEADS}, {d.tokens}, {d.tokens}){matrix_note(tr)}.",
         [
             ShapeCheck(
                 "W_query.weight",
@@ -93,7 +112,8 @@ def _shapes(tr: Trace, layer: GroupedQueryAttention, seed: int) -> Step:
 def _sharing(tr: Trace, layer: GroupedQueryAttention, x: torch.Tensor) -> Step:
     heads, kv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
     reads = " ".join(str(AF.kv_head_of(h, heads, kv)) for h in range(heads))
-    context = tr["context"]
+    # a long input compares the contexts of the rows its trace keeps, without the matrix
+    context = rows_of(tr, tr["context"])
     checks, moved = [], []
     tol = 1e-5 * context.abs().max().item()  # rounding; the others do not move at all
     for k in range(kv):
@@ -109,14 +129,14 @@ def _sharing(tr: Trace, layer: GroupedQueryAttention, x: torch.Tensor) -> Step:
         silent = copy.deepcopy(layer)
         with torch.no_grad():
             silent.W_value.weight[k * hd : (k + 1) * hd] = 0.0
-        after = silent.trace(x)["context"]
+        after = forward_stages(silent, x, tr.rows)["context"]
         moved.append([maxdiff(after[h], context[h]) for h in range(heads)])
         changed = [h for h in range(heads) if moved[-1][h] > tol]
         checks.append(
             Check(
                 name,
                 changed == expected,
-                f"changed: query heads {', '.join(map(str, changed)) or 'none'}",
+                f"changed: query heads {', '.join(map(str, changed)) or 'none'}{_of_rows(tr)}",
             )
         )
     return Step(
@@ -139,6 +159,11 @@ def _sharing(tr: Trace, layer: GroupedQueryAttention, x: torch.Tensor) -> Step:
     )
 
 
+def _of_rows(tr: Trace) -> str:
+    """`` (rows 1, 9999)`` for a row trace: which rows a check compared; "" otherwise."""
+    return "" if tr.rows is None else f" (rows {', '.join(map(str, tr.rows))})"
+
+
 def _copied_to_groups(grouped: GroupedQueryAttention, x: torch.Tensor) -> GroupedQueryAttention:
     """A multi-head layer (``num_kv_heads = num_heads``) holding ``grouped``'s weights, each
     kv head's rows of W_key and W_value copied to every query head of its group."""
@@ -155,12 +180,14 @@ def _copied_to_groups(grouped: GroupedQueryAttention, x: torch.Tensor) -> Groupe
     return mha
 
 
-def _mqa_to_mha(x: torch.Tensor, labels: tuple[str, ...], seed: int) -> Step:
+def _mqa_to_mha(x: torch.Tensor, labels: tuple[str, ...], seed: int, rows=None) -> Step:
+    """``rows``: a long input, whose outputs are compared on those rows."""
     tokens, divisors = x.shape[-2], [k for k in range(1, HEADS + 1) if HEADS % k == 0]
     shape_checks, checks, cache = [], [], []
+    what = "" if rows is None else f" (rows {', '.join(map(str, rows))})"
     for kv in divisors:
         layer = _layer(x, seed, kv=kv)
-        tr = layer.trace(x, labels=labels)
+        tr = forward_stages(layer, x, rows)
         hd = layer.head_dim
         readers = HEADS // kv
         rule = f"{kv} kv head{'s' if kv > 1 else ''}, each read by {readers} query "
@@ -170,15 +197,16 @@ def _mqa_to_mha(x: torch.Tensor, labels: tuple[str, ...], seed: int) -> Step:
         )
         cache.append(2 * kv * hd)
         if kv < HEADS:
-            copied = _copied_to_groups(layer, x).trace(x)
+            copied = forward_stages(_copied_to_groups(layer, x), x, rows)["output"]
+            out = tr["output"]
             checks.append(
                 agree(
                     f"num_kv_heads={kv} equals multi-head attention with each kv head copied "
                     "to its group",
-                    tr.result,
-                    copied.result,
-                    f"grouped vs num_kv_heads={HEADS} with W_key, W_value rows repeated",
-                    atol=1e-5 * tr.result.abs().max().item() + 1e-6,
+                    out,
+                    copied,
+                    f"grouped vs num_kv_heads={HEADS} with W_key, W_value rows repeated{what}",
+                    atol=1e-5 * out.abs().max().item() + 1e-6,
                 )
             )
     sizes = ", ".join(f"{n} for {k}" for n, k in zip(cache, divisors, strict=True))
@@ -199,18 +227,17 @@ def _mqa_to_mha(x: torch.Tensor, labels: tuple[str, ...], seed: int) -> Step:
 def _window(layer: GroupedQueryAttention, tr: Trace, x: torch.Tensor) -> Step:
     tokens, w = tr.dims.tokens, layer.window
     masked = tr["masked_scores"]
-    visible = torch.isfinite(masked)  # (H, T, T)
-    i = torch.arange(tokens)[:, None]
-    j = torch.arange(tokens)[None, :]
-    rule = (j <= i) & (i - j < w)  # key j is one of the last w up to query i
+    visible = torch.isfinite(masked)  # (H, T, T), or a long input's (H, rows, T)
+    # key j is one of the last w up to query i: from positions, for the rows the trace keeps
+    rule = ~hidden_rule(tr, w)
     counts = visible[0].sum(-1)
-    expected = torch.tensor([min(q + 1, w) for q in range(tokens)])
+    expected = torch.tensor([min(q + 1, w) for q in query_positions(tr).tolist()])
     hidden_weights = tr["weights"][~rule.expand_as(tr["weights"])]
     checks = [
         Check(
             f"query i sees min(i + 1, {w}) keys, in every head",
             bool((visible.sum(-1) == expected).all()),
-            f"visible keys per query: {' '.join(map(str, counts.tolist()))}; "
+            f"visible keys per query{_of_rows(tr)}: {' '.join(map(str, counts.tolist()))}; "
             f"expected {' '.join(map(str, expected.tolist()))}",
         ),
         Check(
@@ -229,14 +256,22 @@ def _window(layer: GroupedQueryAttention, tr: Trace, x: torch.Tensor) -> Step:
     if tokens > w:
         changed = x.clone()
         changed[0] += 1.0
-        with torch.no_grad():
-            after = layer.trace(changed).result
-        checks.append(agree(name, after[w:], tr.result[w:], "token 0 shifted by 1", atol=0.0))
+        if tr.rows is None:
+            with torch.no_grad():
+                after, before = layer.trace(changed).result, tr.result
+            first, far = 0, slice(w, None)
+        else:  # a long input: rows 0, w and the last, of both inputs, without the matrix
+            probe = sorted({0, w, tokens - 1})
+            after = row_stages(layer, changed, probe)["output"]
+            before = row_stages(layer, x, probe)["output"]
+            first, far = 0, slice(1, None)
+            name = name.replace(f"rows {w}..", f"rows {', '.join(map(str, probe[1:]))}")
+        checks.append(agree(name, after[far], before[far], "token 0 shifted by 1", atol=0.0))
         checks.append(
             Check(
                 "... and changes row 0, which sees it",
-                maxdiff(after[0], tr.result[0]) > 0,
-                f"row 0: max |difference| {maxdiff(after[0], tr.result[0]):.1e}",
+                maxdiff(after[first], before[first]) > 0,
+                f"row 0: max |difference| {maxdiff(after[first], before[first]):.1e}",
             )
         )
     else:
@@ -247,7 +282,7 @@ def _window(layer: GroupedQueryAttention, tr: Trace, x: torch.Tensor) -> Step:
         f"A sliding window: window={w} (Mistral)",
         f"GroupedQueryAttention(..., window={w}). Predict: besides the future, every key "
         f"{w} or more tokens back is hidden (-inf): query i sees keys i - {w - 1} .. i, "
-        f"min(i + 1, {w}) of them, and nothing before reaches it.",
+        f"min(i + 1, {w}) of them, and nothing before reaches it{matrix_note(tr)}.",
         shapes(tr, ("masked_scores",)),
         [
             show("masked_scores, head 0", masked[0], tr, square=True),
@@ -259,8 +294,8 @@ def _window(layer: GroupedQueryAttention, tr: Trace, x: torch.Tensor) -> Step:
 def _alibi(layer: GroupedQueryAttention, tr: Trace, t: int) -> Step:
     heads, tokens = layer.num_heads, tr.dims.tokens
     slopes = layer.alibi_slopes.double()
-    bias = tr["biased_scores"].double() - tr["scaled_scores"].double()  # (H, T, T)
-    i = torch.arange(tokens, dtype=torch.float64)[:, None]
+    bias = tr["biased_scores"].double() - tr["scaled_scores"].double()  # (H, T or rows, T)
+    i = query_positions(tr).double()[:, None]
     j = torch.arange(tokens, dtype=torch.float64)[None, :]
     expected = -slopes[:, None, None] * (i - j).abs()
     ratios = slopes[1:] / slopes[:-1]
@@ -307,7 +342,7 @@ def _alibi(layer: GroupedQueryAttention, tr: Trace, t: int) -> Step:
         f"GroupedQueryAttention(..., num_heads={heads}, num_kv_heads={layer.num_kv_heads}, "
         "alibi=True): no RoPE. Predict: head h adds -slope_h * distance to its scaled "
         "scores (biased_scores), with slopes 2**(-8/H), 2**(-16/H), ...: head 0 prefers near "
-        "keys most, the last head sees almost evenly.",
+        f"keys most, the last head sees almost evenly{matrix_note(tr)}.",
         [
             ShapeCheck("alibi_slopes", (heads,), tuple(layer.alibi_slopes.shape), "one per head"),
             *shapes(tr, ("scaled_scores", "biased_scores", "masked_scores")),
@@ -316,7 +351,7 @@ def _alibi(layer: GroupedQueryAttention, tr: Trace, t: int) -> Step:
             Shown("slopes", slopes, None, tuple(f"head {h}" for h in range(heads))),
             Shown(
                 f"bias of token {t} ({tr.labels[t]!r}) against every key",
-                bias[:, t],
+                bias[:, tr.row_index(t)],
                 tuple(f"head {h}" for h in range(heads)),
                 tr.labels,
             ),
@@ -325,18 +360,49 @@ def _alibi(layer: GroupedQueryAttention, tr: Trace, t: int) -> Step:
     )
 
 
+def _fused_rows(layer: GroupedQueryAttention, x: torch.Tensor, rows) -> torch.Tensor:
+    """The fast path's fused call for the query ``rows`` only: the layer's queries, keys
+    and values, ``scaled_dot_product_attention`` on those queries with their rows of the
+    additive mask (-inf outside the causal window, ALiBi's bias) built from positions, then
+    ``out_proj``: ``(len(rows), d_out)``, without a (T, T) mask."""
+    with torch.no_grad():
+        q, k, v = layer._queries_keys_values(x.unsqueeze(0), None, 0, None)
+        q = q[..., list(rows), :]
+        k, v = AF.repeat_kv(k, layer.group), AF.repeat_kv(v, layer.group)
+        back = torch.tensor(rows)[:, None] - torch.arange(x.shape[-2])[None, :]
+        hide = back < 0
+        if layer.window is not None:
+            hide = hide | (back >= layer.window)
+        mask = torch.zeros(hide.shape, dtype=q.dtype).masked_fill(hide, -torch.inf)
+        if layer.alibi:
+            slopes = layer.alibi_slopes.double()[:, None, None]
+            mask = mask + (-slopes * back.abs().double()).to(q.dtype)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = ctx.transpose(1, 2).reshape(len(rows), layer.num_heads * layer.head_dim)
+        return layer.out_proj(out)
+
+
 def _fast_path(variants: dict, x: torch.Tensor) -> Step:
     checks = []
     for what, (layer, tr) in variants.items():
-        with torch.no_grad():
-            fast = layer(x)  # use_fast_path: scaled_dot_product_attention
+        plain = layer.window is None and not layer.alibi  # the fused call needs no mask
+        if tr.rows is None or plain:
+            with torch.no_grad():
+                fast = layer(x)  # use_fast_path: scaled_dot_product_attention
+            explicit, detail = tr.result, "fused vs explicit output"
+        else:  # a long input: the mask is (T, T) or (H, T, T); the chosen rows of it only
+            fast, explicit = _fused_rows(layer, x, tr.rows), rows_of(tr, tr.result)
+            detail = (
+                f"fused on rows {', '.join(map(str, tr.rows))} (their mask rows from "
+                "positions) vs those rows of the explicit output"
+            )
         checks.append(
             agree(
                 f"the fast path equals the explicit stages ({what})",
                 fast,
-                tr.result,
-                "fused vs explicit output",
-                atol=1e-5 * tr.result.abs().max().item() + 1e-6,
+                explicit,
+                detail,
+                atol=1e-5 * explicit.abs().max().item() + 1e-6,
             )
         )
     return Step(

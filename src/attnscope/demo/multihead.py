@@ -12,21 +12,24 @@ from .checks import (
     agree,
     book,
     logits,
+    matrix_note,
     output_shape,
     rows_are_distributions,
     seeded,
     shapes,
     show,
+    trace_rows,
     walk_check,
 )
 
 D_OUT, HEADS = 2, 2  # as in the book
 
 
-def walk(x, labels, t, is_book, seed, causal=False):
+def walk(x, labels, t, is_book, seed, causal=False, rows=None):
     """MultiHeadAttention on ``x`` ``(T, d_in)``: d_out=2, 2 heads: ``(steps, trace)``.
 
-    ``causal`` is the book's layer; without it every token sees every token.
+    ``causal`` is the book's layer; without it every token sees every token. ``rows``: a
+    row trace of those queries (a long input).
     """
     part = "causal-multihead" if causal else "multihead"
     s = BOOK_SEEDS[part] if seed is None else seed
@@ -35,7 +38,7 @@ def walk(x, labels, t, is_book, seed, causal=False):
             x.shape[-1], D_OUT, x.shape[-2], 0.0, num_heads=HEADS, causal=causal
         )
     mha.eval()
-    tr = mha.trace(x, labels=labels)
+    tr = trace_rows(mha, x, labels, rows)
     steps = [
         _split_heads(tr, part, s, causal),
         _per_head(tr, part, t, causal),
@@ -67,8 +70,9 @@ def _per_head(tr: Trace, part: str, t: int, causal: bool) -> Step:
     return Step(
         part,
         "Each head attends on its own",
-        f"Predict: per head a tokens x tokens matrix: ({HEADS}, {tokens}, {tokens}), "
-        f"each head's rows summing to 1, scaled by sqrt(head_dim){mask_text}.",
+        f"Predict: per head a tokens x tokens matrix: ({HEADS}, {tokens}, {tokens})"
+        f"{matrix_note(tr)}, each head's rows summing to 1, scaled by sqrt(head_dim)"
+        f"{mask_text}.",
         shapes(tr, ("scores", "scaled_scores", "masked_scores", "weights")),
         [
             Shown(
@@ -78,7 +82,7 @@ def _per_head(tr: Trace, part: str, t: int, causal: bool) -> Step:
                 tr.labels,
             )
         ],
-        [rows_are_distributions(tr["weights"], logits(tr), causal=causal)],
+        [rows_are_distributions(tr["weights"], logits(tr), causal=causal, rows=tr.rows)],
     )
 
 

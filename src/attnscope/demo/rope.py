@@ -14,8 +14,20 @@ import torch
 from .. import functional as AF
 from ..grouped import GroupedQueryAttention
 from ..lesson import Check, Shown, Step
+from ..stages import Stage
 from ..trace import ShapeCheck, Trace
-from .checks import agree, maxdiff, seeded, shapes, show, walk_check
+from .checks import (
+    agree,
+    forward_stages,
+    matrix_note,
+    maxdiff,
+    rows_of,
+    seeded,
+    shapes,
+    show,
+    trace_rows,
+    walk_check,
+)
 
 PART = "rope"
 SEED = 123  # the book's seed, as in the other parts
@@ -24,20 +36,23 @@ SHIFT = 100  # positions added to every token to show that only distances count
 FRACTION = 0.5  # the partial rotation's share of each head (GPT-NeoX's rotary_pct)
 
 
-def walk(x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, seed: int | None):
-    """RoPE in a GroupedQueryAttention on ``x`` ``(T, d_in)``: ``(steps, trace)``."""
+def walk(
+    x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, seed: int | None, rows=None
+):
+    """RoPE in a GroupedQueryAttention on ``x`` ``(T, d_in)``: ``(steps, trace)``;
+    ``rows``: row traces of those queries (a long input)."""
     s = SEED if seed is None else seed
     with seeded(s):
         layer = GroupedQueryAttention(x.shape[-1], D_OUT, HEADS)
     layer.eval()
-    tr = layer.trace(x, labels=labels)
+    tr = trace_rows(layer, x, labels, rows)
     steps = [
         _rotate(tr, layer, s),
         _rotated_scores(tr, layer, x, t),
         _distance_only(tr, layer, t),
         _pairings(tr, layer),
         _mixed_tables(tr, layer),
-        _partial(x, labels, s),
+        _partial(tr, x, s, rows),
     ]
     return steps, tr
 
@@ -156,9 +171,10 @@ def _rotate(tr: Trace, layer: GroupedQueryAttention, seed: int) -> Step:
 
 
 def _rotated_scores(tr: Trace, layer: GroupedQueryAttention, x: torch.Tensor, t: int) -> Step:
-    rq, rk = tr["rotated_queries"], tr["rotated_keys"]
+    # the rows the trace keeps (every row, or a long input's chosen ones) against every key
+    rq, rk = rows_of(tr, tr["rotated_queries"]), tr["rotated_keys"]
     scores = rq.double() @ rk.double().transpose(-2, -1)
-    plain = tr["queries"].double() @ tr["keys"].double().transpose(-2, -1)
+    plain = rows_of(tr, tr["queries"]).double() @ tr["keys"].double().transpose(-2, -1)
     bound = rq.double().abs() @ rk.double().abs().transpose(-2, -1)
     checks = [
         agree(
@@ -191,7 +207,8 @@ def _rotated_scores(tr: Trace, layer: GroupedQueryAttention, x: torch.Tensor, t:
     return Step(
         PART,
         "Scores from the rotated queries and keys",
-        "Predict: the scores use the rotated vectors, so they differ from queries @ keys.T; "
+        f"Predict: the scores use the rotated vectors{matrix_note(tr)}, so they differ from "
+        "queries @ keys.T; "
         f"starting the sequence at position {SHIFT} instead of 0 turns every query and key "
         "further, but the output stays the same, because only distances count.",
         shapes(tr, ("scores",)),
@@ -383,15 +400,17 @@ def _mixed_distance(tr: Trace, layer: GroupedQueryAttention) -> Check:
     )
 
 
-def _partial(x: torch.Tensor, labels: tuple[str, ...], seed: int) -> Step:
+def _partial(tr: Trace, x: torch.Tensor, seed: int, rows=None) -> Step:
+    """A partial rotation's queries and keys beside ``tr``'s (same sizes, same labels);
+    ``rows``: a long input, whose other forward pass is computed for those rows only."""
     with seeded(seed):
         layer = GroupedQueryAttention(x.shape[-1], D_OUT, HEADS, rope_fraction=FRACTION)
     layer.eval()
-    tr = layer.trace(x, labels=labels)
+    stages = forward_stages(layer, x, rows)  # queries and keys are whole either way
     rot = 2 * layer.inv_freq.shape[0]
-    q, rq = tr["queries"], tr["rotated_queries"]
+    q, rq = stages["queries"], stages["rotated_queries"]
     untouched = torch.equal(rq[..., rot:], q[..., rot:]) and torch.equal(
-        tr["rotated_keys"][..., rot:], tr["keys"][..., rot:]
+        stages["rotated_keys"][..., rot:], stages["keys"][..., rot:]
     )
     checks = [
         Check(
@@ -424,7 +443,12 @@ def _partial(x: torch.Tensor, labels: tuple[str, ...], seed: int) -> Step:
                 tuple(layer.inv_freq.shape),
                 "one frequency per rotated pair: head_dim * fraction / 2",
             ),
-            *shapes(tr, ("rotated_queries",)),
+            ShapeCheck(
+                "rotated_queries",
+                tr.predicted_shape("rotated_queries"),
+                tuple(rq.shape),
+                Stage.ROTATED_QUERIES.rule,
+            ),
         ],
         [show("rotated_queries - queries, head 0", (rq - q)[0], tr)],
         checks,

@@ -14,20 +14,23 @@ from torch import nn
 
 from ..lesson import Check, Shown, Step
 from ..modules import SelfAttentionV1, SelfAttentionV2
-from ..trace import QueryWalk, ShapeCheck, Trace
+from ..trace import QueryWalk, ShapeCheck, Trace, row_stages
 from .checks import (
     BOOK_SEEDS,
     BOOK_TOKEN,
     agree,
     book,
     dot_rounding,
+    forward_stages,
     logits,
+    matrix_note,
     maxdiff,
     output_shape,
     rows_are_distributions,
     seeded,
     shapes,
     show,
+    trace_rows,
     walk_check,
 )
 
@@ -35,13 +38,16 @@ PART = "self"
 D_OUT = 2  # as in the book
 
 
-def walk(x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, seed: int | None):
-    """SelfAttentionV1 (and V2) on ``x`` ``(T, d_in)``, d_out=2: ``(steps, trace)``."""
+def walk(
+    x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, seed: int | None, rows=None
+):
+    """SelfAttentionV1 (and V2) on ``x`` ``(T, d_in)``, d_out=2: ``(steps, trace)``;
+    ``rows``: row traces of those queries (a long input)."""
     seed_v1 = BOOK_SEEDS["self"] if seed is None else seed
     with seeded(seed_v1):
         v1 = SelfAttentionV1(x.shape[-1], D_OUT)
     before = {n: p.detach().clone() for n, p in v1.named_parameters()}
-    tr = v1.trace(x, labels=labels)
+    tr = trace_rows(v1, x, labels, rows)
     one = tr.walk(t)
     book_t = is_book and t == BOOK_TOKEN
     steps = [
@@ -51,8 +57,8 @@ def walk(x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, seed: 
         _query_weights(tr, one, book_t),
         _query_context(one, book_t),
         _every_token(tr, t, is_book),
-        parameters_step(v1, before, x, labels, t),
-        _v2(x, labels, is_book, BOOK_SEEDS["v2"] if seed is None else seed),
+        parameters_step(v1, before, x, labels, t, rows),
+        _v2(x, labels, is_book, BOOK_SEEDS["v2"] if seed is None else seed, rows),
     ]
     return steps, tr
 
@@ -101,7 +107,7 @@ def _query_scores(tr: Trace, one: QueryWalk, t: int, book_t: bool) -> Step:
             "the query's row of the full score matrix equals its scores",
             one.scores_match,
             f"query @ keys.T vs row {t} of queries @ keys.T: max |difference| "
-            f"{maxdiff(one.scores, tr['scores'][t]):.1e}",
+            f"{maxdiff(one.scores, tr['scores'][tr.row_index(t)]):.1e}",
         ),
     ]
     if book_t:
@@ -118,7 +124,7 @@ def _query_scores(tr: Trace, one: QueryWalk, t: int, book_t: bool) -> Step:
 
 
 def _query_weights(tr: Trace, one: QueryWalk, book_t: bool) -> Step:
-    checks = [rows_are_distributions(tr["weights"], logits(tr))]
+    checks = [rows_are_distributions(tr["weights"], logits(tr), rows=tr.rows)]
     if book_t:
         checks.append(book("weights", one.weights))
     n = tr.dims.tokens
@@ -152,16 +158,19 @@ def _every_token(tr: Trace, t: int, is_book: bool) -> Step:
     return Step(
         PART,
         "Every token at once: SelfAttentionV1(inputs)",
-        f"Predict: every stage's shape from its rule; the output has {tr.dims.tokens} rows "
-        f"and {d_out} columns, and row {t} is the context vector just computed.",
+        f"Predict: every stage's shape from its rule{matrix_note(tr)}; the output has "
+        f"{tr.dims.tokens} rows and {d_out} columns, and row {t} is the context vector just "
+        "computed.",
         shapes(tr, tuple(tr.stages)),
         [show("weights", tr["weights"], tr, square=True), show("output", out, tr)],
         checks,
     )
 
 
-def parameters_step(module: nn.Module, before: dict, x, labels, t) -> Step:
-    """The seed's distinction: weight parameters are read, attention weights are computed."""
+def parameters_step(module: nn.Module, before: dict, x, labels, t, rows=None) -> Step:
+    """The seed's distinction: weight parameters are read, attention weights are computed.
+
+    ``rows``: a long input, whose weights of token ``t`` come from its row alone."""
     changed = [n for n, p in module.named_parameters() if not torch.equal(p.detach(), before[n])]
     params = Check(
         "the forward pass reads the weight parameters and leaves them unchanged",
@@ -170,9 +179,13 @@ def parameters_step(module: nn.Module, before: dict, x, labels, t) -> Step:
         if not changed
         else f"changed: {', '.join(changed)}",
     )
-    other = _other_input(module, x)
-    w1 = module.trace(x, labels=labels).walk(t).weights
-    w2 = module.trace(other, labels=labels).walk(t).weights
+    other = _other_input(module, x, rows)
+    if rows is None:
+        w1 = module.trace(x, labels=labels).walk(t).weights
+        w2 = module.trace(other, labels=labels).walk(t).weights
+    else:  # token t's row of weights, without the matrix
+        w1 = row_stages(module, x, [t])["weights"][0]
+        w2 = row_stages(module, other, [t])["weights"][0]
     shown = [Shown("weights(x)", w1, None, labels), Shown("weights(other)", w2, None, labels)]
     checks = [params]
     if x.shape[-2] > 1:  # one token always gets weight 1, whatever the input
@@ -196,33 +209,43 @@ def parameters_step(module: nn.Module, before: dict, x, labels, t) -> Step:
     )
 
 
-def _other_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Random tokens shaped like ``x`` whose scaled scores stay within [-1, 1] for ``module``.
+def _other_input(module: nn.Module, x: torch.Tensor, rows=None) -> torch.Tensor:
+    """Random tokens shaped like ``x`` whose scaled scores stay within [-1, 1] for ``module``
+    (for a long input, the scores of the chosen ``rows``: the weights compared are theirs).
 
     Scaling ``x`` itself would not do: when its weights are one-hot (large scores), they
     stay one-hot at 2x or 0.5x. Small scores keep these weights well away from one-hot.
     """
     other = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
-    largest = module.trace(other)["scaled_scores"].abs().max().item()
+    largest = forward_stages(module, other, rows)["scaled_scores"].abs().max().item()
     return other / largest**0.5 if largest > 1 else other  # scores are quadratic in x
 
 
-def _v2(x: torch.Tensor, labels: tuple[str, ...], is_book: bool, seed: int) -> Step:
+def _v2(x: torch.Tensor, labels: tuple[str, ...], is_book: bool, seed: int, rows=None) -> Step:
+    """V2 against V1; ``rows``: a long input, whose outputs are compared on those rows."""
     d_in = x.shape[-1]
     with seeded(seed):
         v2 = SelfAttentionV2(d_in, D_OUT)
+    # In float64: float32 rounds x @ W.T and x @ W differently, and large scores
+    # magnify that in the softmax; the claim is that the two compute the same thing.
+    v2_64 = copy.deepcopy(v2).double()
+    v1_64 = SelfAttentionV1.from_v2(v2_64)
     with torch.no_grad():
-        out = v2(x)
-        # In float64: float32 rounds x @ W.T and x @ W differently, and large scores
-        # magnify that in the softmax; the claim is that the two compute the same thing.
-        v2_64 = copy.deepcopy(v2).double()
-        carried, out_64 = SelfAttentionV1.from_v2(v2_64)(x.double()), v2_64(x.double())
+        if rows is None:
+            out = v2(x)
+            carried, out_64 = v1_64(x.double()), v2_64(x.double())
+        else:  # the chosen rows of each output, without the matrix
+            out = row_stages(v2, x, rows)["output"]
+            carried = row_stages(v1_64, x.double(), rows)["output"]
+            out_64 = row_stages(v2_64, x.double(), rows)["output"]
+    n_rows = len(labels) if rows is None else len(rows)
+    what = "" if rows is None else f" (rows {', '.join(map(str, rows))})"
     checks = [
         agree(
             "V1 carrying V2's weights (transposed) gives the same output",
             carried,
             out_64,
-            "SelfAttentionV1.from_v2(v2)(x) vs v2(x), in float64",
+            f"SelfAttentionV1.from_v2(v2)(x) vs v2(x), in float64{what}",
         )
     ]
     if is_book:
@@ -234,11 +257,16 @@ def _v2(x: torch.Tensor, labels: tuple[str, ...], is_book: bool, seed: int) -> S
         "Predict: the same shapes, other numbers (nn.Linear starts from other random "
         f"values and stores its weight transposed, ({D_OUT}, {d_in})).",
         [
-            ShapeCheck("output", (len(labels), D_OUT), tuple(out.shape), "one row per token"),
+            ShapeCheck(
+                "output" + what,
+                (n_rows, D_OUT),
+                tuple(out.shape),
+                "one row per token" if rows is None else "one row per chosen token",
+            ),
             ShapeCheck(
                 "W_query.weight", (D_OUT, d_in), tuple(v2.W_query.weight.shape), "d_out x d_in"
             ),
         ],
-        [Shown("output", out, labels)],
+        [Shown("output" + what, out, labels if rows is None else tuple(labels[r] for r in rows))],
         checks,
     )

@@ -12,26 +12,29 @@ import torch
 from .. import functional as AF
 from ..examples import TOY_TOKENS, toy_scores
 from ..lesson import Check, Shown, Step
-from ..trace import ShapeCheck, Trace, trace
+from ..trace import ShapeCheck, Trace
 from .checks import (
     BOOK_TOKEN,
     EXP_RANGE,
     agree,
     book,
     dot_rounding,
+    matrix_note,
     output_shape,
     rows_are_distributions,
     shapes,
     show,
+    trace_rows,
     walk_check,
 )
 
 PART = "simplified"
 
 
-def walk(x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool):
-    """The weightless walk on ``x`` ``(T, d_in)`` for query ``t``: ``(steps, trace)``."""
-    tr = trace("simplified", x, labels=labels)
+def walk(x: torch.Tensor, labels: tuple[str, ...], t: int, is_book: bool, rows=None):
+    """The weightless walk on ``x`` ``(T, d_in)`` for query ``t``: ``(steps, trace)``;
+    ``rows``: a row trace of those queries (a long input)."""
+    tr = trace_rows("simplified", x, labels, rows)
     is_book = is_book and t == BOOK_TOKEN
     scores = AF.query_scores_dot(x, x[t])
     steps = [
@@ -151,7 +154,7 @@ def _toy_scores() -> Step:
 
 def _every_query(tr: Trace, t: int, is_book: bool) -> Step:
     checks = [
-        rows_are_distributions(tr["weights"], tr["scores"]),
+        rows_are_distributions(tr["weights"], tr["scores"], rows=tr.rows),
         output_shape(tr["context"], tr.dims.tokens, tr.dims.d_in),
         walk_check(tr, t),
     ]
@@ -160,8 +163,9 @@ def _every_query(tr: Trace, t: int, is_book: bool) -> Step:
     return Step(
         PART,
         "Every query at once: scores = inputs @ inputs.T",
-        "Predict: a tokens x tokens score matrix (row = query, column = key), weights of "
-        "the same shape, and one context row per token with d_in columns; row "
+        "Predict: a tokens x tokens score matrix (row = query, column = key)"
+        f"{matrix_note(tr)}, weights of the same shape, and one context row per token with "
+        "d_in columns; row "
         f"{t} must equal {tr.labels[t]!r} computed alone.",
         shapes(tr, ("scores", "weights", "context")),
         [show("weights", tr["weights"], tr, square=True), show("context", tr["context"], tr)],

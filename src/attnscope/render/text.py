@@ -128,10 +128,17 @@ def format_tensor(
         finite = t[torch.isfinite(t)]
         if finite.numel() == 0:
             return f"{tuple(t.shape)}: no finite values"
-        return (
+        text = (
             f"{tuple(t.shape)}: min {_num(finite.min().item())}, max {_num(finite.max().item())}, "
             f"mean {_num(finite.mean().item())} (too large to print)"
         )
+        # which rows and columns these are, in short lists (a long input's chosen rows, or
+        # its words): positions 0, 1, 2, ... of every token go without saying
+        if t.dim() >= 2 and _telling(rows, t.shape[-2]):
+            text += f"; rows {_label_list(rows)}"
+        if _telling(cols, t.shape[-1]):
+            text += f"; columns {_label_list(cols)}"
+        return text
     if t.dim() == 0:
         return _num(t.item())
     if t.dim() == 1:
@@ -162,6 +169,27 @@ def format_tensor(
         prefix = row_names[i].ljust(lead) + "  " if row_names else ""
         lines.append(prefix + "  ".join(c.rjust(width) for c in row))
     return "\n".join(lines)
+
+
+def _telling(labels: Sequence[str] | None, size: int, most: int = 6) -> bool:
+    """Whether ``labels`` of ``size`` entries say more than their positions."""
+    if labels is None or len(labels) != size:
+        return False
+    return size <= most or any(str(label) != str(i) for i, label in enumerate(labels))
+
+
+def _label_list(labels: Sequence[str], most: int = 6) -> str:
+    """Labels for one line, comma-separated: all of them, or the first and last few of a
+    long list (``Your, journey, starts, with, …, one, step (10,000 tokens)``)."""
+    labels = [str(label) for label in labels]
+    if len(labels) <= most:
+        return ", ".join(labels)
+    # what they count: tokens, unless every label is "<word> <number>" ("head 3")
+    words = {label.partition(" ")[0] for label in labels}
+    numbered = all(label.partition(" ")[2].isdigit() for label in labels)
+    noun = f"{words.pop()}s" if len(words) == 1 and numbered else "tokens"
+    head, tail = ", ".join(labels[: most - 2]), ", ".join(labels[-2:])
+    return f"{head}, …, {tail} ({len(labels):,} {noun})"
 
 
 def _block(out: _Out, name: str, text: str, indent: str = "  ") -> None:
