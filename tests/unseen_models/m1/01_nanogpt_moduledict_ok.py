@@ -4,6 +4,7 @@ transformer = ModuleDict(wte, wpe, drop, h=ModuleList, ln_f), fused c_attn, pre-
 with optional bias, learned absolute positions, torch's scaled_dot_product_attention with
 is_causal=True, weight tying.  No KV cache.  Correct.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -17,8 +18,17 @@ EXPECT = {
     "layers": ["transformer.h.0.attn", "transformer.h.1.attn", "transformer.h.2.attn"],
     "kind": "causal-multihead",
     "cache": None,
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 16, "causal": True, "cross": False,
-                  "rope": None, "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 16,
+        "causal": True,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "nanoGPT model.py: ModuleDict transformer, fused c_attn, SDPA is_causal, tied lm_head",
 }
 
@@ -65,7 +75,12 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q,
+            k,
+            v,
+            attn_mask=None,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -101,13 +116,15 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)

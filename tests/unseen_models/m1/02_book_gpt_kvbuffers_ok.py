@@ -3,6 +3,7 @@ KV-cache bonus material: the cache lives in buffers inside each MultiHeadAttenti
 (cache_k / cache_v, ptr_current_pos), the model tracks current_pos for the learned
 positional embedding, and reset_kv_cache() clears everything.  Correct.
 """
+
 import torch
 import torch.nn as nn
 
@@ -12,10 +13,19 @@ EXPECT = {
     "layers": ["trf_blocks.0.att", "trf_blocks.1.att", "trf_blocks.2.att"],
     "kind": "causal-multihead",
     "cache": "book-buffers",
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 12, "causal": True, "cross": False,
-                  "rope": None, "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 12,
+        "causal": True,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "LLMs-from-scratch gpt_with_kv_cache.py: separate W_query/W_key/W_value, mask buffer sliced "
-             "with ptr_current_pos, model.current_pos for pos_emb, reset_kv_cache()",
+    "with ptr_current_pos, model.current_pos for pos_emb, reset_kv_cache()",
 }
 
 GPT_CONFIG_SMALL = {
@@ -41,8 +51,11 @@ class MultiHeadAttention(nn.Module):
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(dropout)
-        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1),
-                             persistent=False)
+        self.register_buffer(
+            "mask",
+            torch.triu(torch.ones(context_length, context_length), diagonal=1),
+            persistent=False,
+        )
         self.register_buffer("cache_k", None, persistent=False)
         self.register_buffer("cache_v", None, persistent=False)
         self.ptr_current_pos = 0
@@ -76,7 +89,9 @@ class MultiHeadAttention(nn.Module):
         num_tokens_Q = queries.shape[-2]
         num_tokens_K = keys.shape[-2]
         if use_cache:
-            mask_bool = self.mask.bool()[self.ptr_current_pos:self.ptr_current_pos + num_tokens_Q, :num_tokens_K]
+            mask_bool = self.mask.bool()[
+                self.ptr_current_pos : self.ptr_current_pos + num_tokens_Q, :num_tokens_K
+            ]
             self.ptr_current_pos += num_tokens_Q
         else:
             mask_bool = self.mask.bool()[:num_tokens_Q, :num_tokens_K]
@@ -110,7 +125,16 @@ class LayerNorm(nn.Module):
 
 class GELU(nn.Module):
     def forward(self, x):
-        return 0.5 * x * (1 + torch.tanh(torch.sqrt(torch.tensor(2.0 / torch.pi)) * (x + 0.044715 * torch.pow(x, 3))))
+        return (
+            0.5
+            * x
+            * (
+                1
+                + torch.tanh(
+                    torch.sqrt(torch.tensor(2.0 / torch.pi)) * (x + 0.044715 * torch.pow(x, 3))
+                )
+            )
+        )
 
 
 class FeedForward(nn.Module):
@@ -130,8 +154,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.att = MultiHeadAttention(
-            d_in=cfg["emb_dim"], d_out=cfg["emb_dim"], context_length=cfg["context_length"],
-            num_heads=cfg["n_heads"], dropout=cfg["drop_rate"], qkv_bias=cfg["qkv_bias"])
+            d_in=cfg["emb_dim"],
+            d_out=cfg["emb_dim"],
+            context_length=cfg["context_length"],
+            num_heads=cfg["n_heads"],
+            dropout=cfg["drop_rate"],
+            qkv_bias=cfg["qkv_bias"],
+        )
         self.ff = FeedForward(cfg)
         self.norm1 = LayerNorm(cfg["emb_dim"])
         self.norm2 = LayerNorm(cfg["emb_dim"])
@@ -167,7 +196,9 @@ class GPTModel(nn.Module):
         batch_size, seq_len = in_idx.shape
         tok_embeds = self.tok_emb(in_idx)
         if use_cache:
-            pos_ids = torch.arange(self.current_pos, self.current_pos + seq_len, device=in_idx.device, dtype=torch.long)
+            pos_ids = torch.arange(
+                self.current_pos, self.current_pos + seq_len, device=in_idx.device, dtype=torch.long
+            )
             self.current_pos += seq_len
         else:
             pos_ids = torch.arange(0, seq_len, device=in_idx.device, dtype=torch.long)

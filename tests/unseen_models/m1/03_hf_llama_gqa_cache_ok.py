@@ -6,6 +6,7 @@ attention, and a DynamicCache-like object: forward(input_ids, past_key_values=No
 use_cache=False, cache_position=None, position_ids=None) returns an output with .logits and
 .past_key_values.  Correct.
 """
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,11 +20,19 @@ EXPECT = {
     "layers": ["model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.2.self_attn"],
     "kind": "causal-multihead",
     "cache": "hf",
-    "structure": {"heads": 8, "kv_heads": 2, "head_dim": 8, "causal": True, "cross": False,
-                  "rope": {"pairing": "half", "fraction": 1.0, "base": 10000.0},
-                  "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 8,
+        "kv_heads": 2,
+        "head_dim": 8,
+        "causal": True,
+        "cross": False,
+        "rope": {"pairing": "half", "fraction": 1.0, "base": 10000.0},
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "transformers modeling_llama.py: DynamicCache.update(k, v, layer_idx), cache_position, "
-             "position_ids, repeat_kv, rotate_half, eager_attention_forward",
+    "position_ids, repeat_kv, rotate_half, eager_attention_forward",
 }
 
 
@@ -54,7 +63,9 @@ class DynamicCache:
             self.value_cache.append(value_states)
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
     def get_seq_length(self, layer_idx=0):
@@ -87,12 +98,16 @@ class LlamaRotaryEmbedding(nn.Module):
     def __init__(self, config):
         super().__init__()
         dim = config.hidden_size // config.num_attention_heads
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv_freq = 1.0 / (
+            config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @torch.no_grad()
     def forward(self, x, position_ids):
-        inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        inv_freq_expanded = (
+            self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        )
         position_ids_expanded = position_ids[:, None, :].float()
         freqs = (inv_freq_expanded @ position_ids_expanded).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -101,7 +116,7 @@ class LlamaRotaryEmbedding(nn.Module):
 
 def rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
+    x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -117,7 +132,9 @@ def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
     if n_rep == 1:
         return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -139,14 +156,32 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.is_causal = True
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = nn.Linear(
+            config.hidden_size,
+            config.num_attention_heads * self.head_dim,
+            bias=config.attention_bias,
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size,
+            config.num_key_value_heads * self.head_dim,
+            bias=config.attention_bias,
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size,
+            config.num_key_value_heads * self.head_dim,
+            bias=config.attention_bias,
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+        )
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None
+    ):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -158,10 +193,13 @@ class LlamaAttention(nn.Module):
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
         if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_values.update(
+                key_states, value_states, self.layer_idx
+            )
 
         attn_output, attn_weights = eager_attention_forward(
-            self, query_states, key_states, value_states, attention_mask, scaling=self.scaling)
+            self, query_states, key_states, value_states, attention_mask, scaling=self.scaling
+        )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
@@ -190,8 +228,11 @@ class LlamaDecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states, position_embeddings=position_embeddings,
-            attention_mask=attention_mask, past_key_values=past_key_values)
+            hidden_states=hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
@@ -213,18 +254,32 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
-    def forward(self, input_ids, past_key_values=None, use_cache=False, cache_position=None, position_ids=None):
+    def forward(
+        self,
+        input_ids,
+        past_key_values=None,
+        use_cache=False,
+        cache_position=None,
+        position_ids=None,
+    ):
         inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         if cache_position is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
-            cache_position = torch.arange(past_seen_tokens, past_seen_tokens + inputs_embeds.shape[1],
-                                          device=inputs_embeds.device)
+            past_seen_tokens = (
+                past_key_values.get_seq_length() if past_key_values is not None else 0
+            )
+            cache_position = torch.arange(
+                past_seen_tokens,
+                past_seen_tokens + inputs_embeds.shape[1],
+                device=inputs_embeds.device,
+            )
         if position_ids is None:
             position_ids = cache_position.unsqueeze(0)
 
@@ -234,9 +289,12 @@ class LlamaModel(nn.Module):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for decoder_layer in self.layers:
-            hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
-                                          position_embeddings=position_embeddings,
-                                          past_key_values=past_key_values)
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+            )
         hidden_states = self.norm(hidden_states)
         return hidden_states, past_key_values
 
@@ -248,12 +306,25 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, past_key_values=None, use_cache=False, cache_position=None, position_ids=None):
+    def forward(
+        self,
+        input_ids,
+        past_key_values=None,
+        use_cache=False,
+        cache_position=None,
+        position_ids=None,
+    ):
         hidden_states, past_key_values = self.model(
-            input_ids, past_key_values=past_key_values, use_cache=use_cache,
-            cache_position=cache_position, position_ids=position_ids)
+            input_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            cache_position=cache_position,
+            position_ids=position_ids,
+        )
         logits = self.lm_head(hidden_states)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values if use_cache else None)
+        return CausalLMOutputWithPast(
+            logits=logits, past_key_values=past_key_values if use_cache else None
+        )
 
 
 def make_model():

@@ -5,6 +5,7 @@ reset_kv_cache() rewinds it.  Grouped-query attention (4 query heads sharing 2 k
 repeat_interleave), per-head RMSNorm on queries and keys before RoPE (rotate-half layout),
 head_dim set explicitly so heads * head_dim != emb_dim.  Correct.
 """
+
 import torch
 import torch.nn as nn
 
@@ -14,11 +15,19 @@ EXPECT = {
     "layers": ["trf_blocks.0.att", "trf_blocks.1.att", "trf_blocks.2.att"],
     "kind": "causal-multihead",
     "cache": "book-cache",
-    "structure": {"heads": 4, "kv_heads": 2, "head_dim": 12, "causal": True, "cross": False,
-                  "rope": {"pairing": "half", "fraction": 1.0, "base": 1000000.0},
-                  "qk_norm": "per-head", "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 12,
+        "causal": True,
+        "cross": False,
+        "rope": {"pairing": "half", "fraction": 1.0, "base": 1000000.0},
+        "qk_norm": "per-head",
+        "window": None,
+        "bias": None,
+    },
     "style": "LLMs-from-scratch qwen3 + KV cache: KVCache(n_layers).get/update, cache=..., current_pos, "
-             "reset_kv_cache(); q_norm/k_norm per head with non-uniform gains",
+    "reset_kv_cache(); q_norm/k_norm per head with non-uniform gains",
 }
 
 QWEN3_CONFIG_TINY = {
@@ -76,7 +85,10 @@ class RMSNorm(nn.Module):
 
 def compute_rope_params(head_dim, theta_base=10_000, context_length=4096, dtype=torch.float32):
     assert head_dim % 2 == 0, "Embedding dimension must be even"
-    inv_freq = 1.0 / (theta_base ** (torch.arange(0, head_dim, 2, dtype=dtype)[: (head_dim // 2)].float() / head_dim))
+    inv_freq = 1.0 / (
+        theta_base
+        ** (torch.arange(0, head_dim, 2, dtype=dtype)[: (head_dim // 2)].float() / head_dim)
+    )
     positions = torch.arange(context_length, dtype=dtype)
     angles = positions[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=1)
@@ -87,9 +99,9 @@ def apply_rope(x, cos, sin, offset=0):
     batch_size, num_heads, seq_len, head_dim = x.shape
     assert head_dim % 2 == 0, "Head dimension must be even"
     x1 = x[..., : head_dim // 2]
-    x2 = x[..., head_dim // 2:]
-    cos = cos[offset:offset + seq_len, :].unsqueeze(0).unsqueeze(0)
-    sin = sin[offset:offset + seq_len, :].unsqueeze(0).unsqueeze(0)
+    x2 = x[..., head_dim // 2 :]
+    cos = cos[offset : offset + seq_len, :].unsqueeze(0).unsqueeze(0)
+    sin = sin[offset : offset + seq_len, :].unsqueeze(0).unsqueeze(0)
     rotated = torch.cat((-x2, x1), dim=-1)
     x_rotated = (x * cos) + (rotated * sin)
     return x_rotated.to(dtype=x.dtype)
@@ -103,7 +115,9 @@ class GroupedQueryAttention(nn.Module):
         self.num_kv_groups = num_kv_groups
         self.group_size = num_heads // num_kv_groups
         if head_dim is None:
-            assert d_in % num_heads == 0, "`d_in` must be divisible by `num_heads` if `head_dim` is not set"
+            assert d_in % num_heads == 0, (
+                "`d_in` must be divisible by `num_heads` if `head_dim` is not set"
+            )
             head_dim = d_in // num_heads
         self.head_dim = head_dim
         self.d_out = num_heads * head_dim
@@ -152,7 +166,7 @@ class GroupedQueryAttention(nn.Module):
 
         attn_scores = queries @ keys.transpose(2, 3)
         attn_scores = attn_scores.masked_fill(mask, -torch.inf)
-        attn_weights = torch.softmax(attn_scores / self.head_dim ** 0.5, dim=-1)
+        attn_weights = torch.softmax(attn_scores / self.head_dim**0.5, dim=-1)
 
         context = (attn_weights @ values).transpose(1, 2).reshape(b, num_tokens, self.d_out)
         return self.out_proj(context), next_cache
@@ -173,8 +187,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.att = GroupedQueryAttention(
-            d_in=cfg["emb_dim"], num_heads=cfg["n_heads"], head_dim=cfg["head_dim"],
-            num_kv_groups=cfg["n_kv_groups"], qk_norm=cfg["qk_norm"], dtype=cfg["dtype"])
+            d_in=cfg["emb_dim"],
+            num_heads=cfg["n_heads"],
+            head_dim=cfg["head_dim"],
+            num_kv_groups=cfg["n_kv_groups"],
+            qk_norm=cfg["qk_norm"],
+            dtype=cfg["dtype"],
+        )
         self.ff = FeedForward(cfg)
         self.norm1 = RMSNorm(cfg["emb_dim"], eps=1e-6)
         self.norm2 = RMSNorm(cfg["emb_dim"], eps=1e-6)
@@ -199,8 +218,11 @@ class Qwen3Model(nn.Module):
         self.final_norm = RMSNorm(cfg["emb_dim"])
         self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False, dtype=cfg["dtype"])
 
-        cos, sin = compute_rope_params(head_dim=cfg["head_dim"], theta_base=cfg["rope_base"],
-                                       context_length=cfg["context_length"])
+        cos, sin = compute_rope_params(
+            head_dim=cfg["head_dim"],
+            theta_base=cfg["rope_base"],
+            context_length=cfg["context_length"],
+        )
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.cfg = cfg
@@ -213,15 +235,21 @@ class Qwen3Model(nn.Module):
             pos_start = self.current_pos
             pos_end = pos_start + num_tokens
             self.current_pos = pos_end
-            mask = torch.triu(torch.ones(pos_end, pos_end, device=x.device, dtype=torch.bool), diagonal=1)[pos_start:pos_end, :pos_end]
+            mask = torch.triu(
+                torch.ones(pos_end, pos_end, device=x.device, dtype=torch.bool), diagonal=1
+            )[pos_start:pos_end, :pos_end]
         else:
             pos_start = 0
-            mask = torch.triu(torch.ones(num_tokens, num_tokens, device=x.device, dtype=torch.bool), diagonal=1)
+            mask = torch.triu(
+                torch.ones(num_tokens, num_tokens, device=x.device, dtype=torch.bool), diagonal=1
+            )
         mask = mask[None, None, :, :]
 
         for i, block in enumerate(self.trf_blocks):
             blk_cache = cache.get(i) if cache else None
-            x, new_blk_cache = block(x, mask, self.cos, self.sin, start_pos=pos_start, cache=blk_cache)
+            x, new_blk_cache = block(
+                x, mask, self.cos, self.sin, start_pos=pos_start, cache=blk_cache
+            )
             if cache is not None:
                 cache.update(i, new_blk_cache)
 

@@ -7,6 +7,7 @@ output projection of its own (BertSelfOutput.dense is the projection).  Bidirect
 optional attention_mask (1 = token, 0 = padding) becomes an additive mask on the keys.
 Returns the last hidden states.  Correct.
 """
+
 import math
 
 import torch
@@ -15,14 +16,26 @@ import torch.nn as nn
 EXPECT = {
     "target": "make_model",
     "ok": True,
-    "layers": ["encoder.layer.0.attention.self", "encoder.layer.1.attention.self",
-               "encoder.layer.2.attention.self"],
+    "layers": [
+        "encoder.layer.0.attention.self",
+        "encoder.layer.1.attention.self",
+        "encoder.layer.2.attention.self",
+    ],
     "kind": "multihead",
     "cache": None,
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 8, "causal": False, "cross": False,
-                  "rope": None, "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 8,
+        "causal": False,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "transformers modeling_bert.py: BertSelfAttention (transpose_for_scores, additive extended "
-             "attention mask), projection in BertSelfOutput, post-norm; encoder output = hidden states",
+    "attention mask), projection in BertSelfOutput, post-norm; encoder output = hidden states",
 }
 
 
@@ -47,16 +60,22 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.register_buffer("position_ids", torch.arange(config.max_position_embeddings).expand((1, -1)),
-                             persistent=False)
+        self.register_buffer(
+            "position_ids",
+            torch.arange(config.max_position_embeddings).expand((1, -1)),
+            persistent=False,
+        )
 
     def forward(self, input_ids, token_type_ids=None):
         seq_length = input_ids.size(1)
         position_ids = self.position_ids[:, :seq_length]
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        embeddings = (self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
-                      + self.position_embeddings(position_ids))
+        embeddings = (
+            self.word_embeddings(input_ids)
+            + self.token_type_embeddings(token_type_ids)
+            + self.position_embeddings(position_ids)
+        )
         return self.dropout(self.LayerNorm(embeddings))
 
 

@@ -4,6 +4,7 @@
 The blocks are plain attributes h0, h1, h2 (an export-friendly layout) instead of a ModuleList.
 No KV cache.  Correct.
 """
+
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -18,11 +19,19 @@ EXPECT = {
     "layers": ["h0.attention", "h1.attention", "h2.attention"],
     "kind": "causal-multihead",
     "cache": None,
-    "structure": {"heads": 8, "kv_heads": 1, "head_dim": 8, "causal": True, "cross": False,
-                  "rope": {"pairing": "interleaved", "fraction": 1.0, "base": 10000.0},
-                  "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 8,
+        "kv_heads": 1,
+        "head_dim": 8,
+        "causal": True,
+        "cross": False,
+        "rope": {"pairing": "interleaved", "fraction": 1.0, "base": 10000.0},
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "llama2.c model.py: precompute_freqs_cis (cos/sin), apply_rotary_emb on (…, -1, 2) pairs, "
-             "repeat_kv, MQA, blocks stored as attributes h0/h1/h2",
+    "repeat_kv, MQA, blocks stored as attributes h0/h1/h2",
 }
 
 
@@ -87,8 +96,11 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     bs, slen, n_kv_heads, head_dim = x.shape
     if n_rep == 1:
         return x
-    return (x[:, :, :, None, :].expand(bs, slen, n_kv_heads, n_rep, head_dim)
-            .reshape(bs, slen, n_kv_heads * n_rep, head_dim))
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, slen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, slen, n_kv_heads * n_rep, head_dim)
+    )
 
 
 class Attention(nn.Module):
@@ -172,7 +184,9 @@ class Transformer(nn.Module):
             setattr(self, f"h{layer_id}", TransformerBlock(layer_id, params))
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = nn.Linear(params.dim, params.vocab_size, bias=False)
-        freqs_cos, freqs_sin = precompute_freqs_cis(params.dim // params.n_heads, params.max_seq_len)
+        freqs_cos, freqs_sin = precompute_freqs_cis(
+            params.dim // params.n_heads, params.max_seq_len
+        )
         self.register_buffer("freqs_cos", freqs_cos, persistent=False)
         self.register_buffer("freqs_sin", freqs_sin, persistent=False)
 

@@ -4,6 +4,7 @@ blocks in an nn.Sequential, learned position embedding as a raw nn.Parameter, an
 residuals (LayerNorm after each sublayer, as in GPT-1 / the original Transformer).  Two heads,
 four blocks.  No KV cache.  Correct.
 """
+
 import math
 
 import torch
@@ -16,10 +17,19 @@ EXPECT = {
     "layers": ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn", "blocks.3.attn"],
     "kind": "causal-multihead",
     "cache": None,
-    "structure": {"heads": 2, "kv_heads": 2, "head_dim": 16, "causal": True, "cross": False,
-                  "rope": None, "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 2,
+        "kv_heads": 2,
+        "head_dim": 16,
+        "causal": True,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "minGPT (2020) model.py: key/query/value Linear, tril mask buffer, nn.Sequential blocks, "
-             "pos_emb Parameter; post-norm (GPT-1)",
+    "pos_emb Parameter; post-norm (GPT-1)",
 }
 
 
@@ -45,8 +55,12 @@ class CausalSelfAttention(nn.Module):
         self.attn_drop = nn.Dropout(config.attn_pdrop)
         self.resid_drop = nn.Dropout(config.resid_pdrop)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
-        self.register_buffer("mask", torch.tril(torch.ones(config.block_size, config.block_size))
-                             .view(1, 1, config.block_size, config.block_size))
+        self.register_buffer(
+            "mask",
+            torch.tril(torch.ones(config.block_size, config.block_size)).view(
+                1, 1, config.block_size, config.block_size
+            ),
+        )
         self.n_head = config.n_head
 
     def forward(self, x, layer_past=None):

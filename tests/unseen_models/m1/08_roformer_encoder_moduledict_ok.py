@@ -6,6 +6,7 @@ projection, pre-norm LayerNorm blocks kept in an nn.ModuleDict keyed "layer_0"..
 optional attention_mask (1 = keep, 0 = pad) passed down as a boolean key mask.  forward
 returns MLM logits (batch, tokens, vocab).  No cache.  Correct.
 """
+
 import math
 
 import torch
@@ -15,14 +16,26 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": True,
-    "layers": ["encoder.layers.layer_0.attn", "encoder.layers.layer_1.attn", "encoder.layers.layer_2.attn"],
+    "layers": [
+        "encoder.layers.layer_0.attn",
+        "encoder.layers.layer_1.attn",
+        "encoder.layers.layer_2.attn",
+    ],
     "kind": "multihead",
     "cache": None,
-    "structure": {"heads": 6, "kv_heads": 6, "head_dim": 16, "causal": False, "cross": False,
-                  "rope": {"pairing": "interleaved", "fraction": 1.0, "base": 10000.0},
-                  "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 6,
+        "kv_heads": 6,
+        "head_dim": 16,
+        "causal": False,
+        "cross": False,
+        "rope": {"pairing": "interleaved", "fraction": 1.0, "base": 10000.0},
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "RoFormer (modeling_roformer.py) sinusoidal rotary with rotate_every_two; fused Wqkv; "
-             "ModuleDict of blocks; pre-norm; boolean padding mask into SDPA",
+    "ModuleDict of blocks; pre-norm; boolean padding mask into SDPA",
 }
 
 
@@ -31,7 +44,7 @@ class SinusoidalRotary(nn.Module):
         super().__init__()
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
         pos = torch.arange(max_positions).float()
-        sinusoid = torch.einsum("i,j->ij", pos, inv)          # (max_positions, head_dim/2)
+        sinusoid = torch.einsum("i,j->ij", pos, inv)  # (max_positions, head_dim/2)
         self.register_buffer("sin", sinusoid.sin(), persistent=False)
         self.register_buffer("cos", sinusoid.cos(), persistent=False)
 
@@ -63,7 +76,7 @@ class RotarySelfAttention(nn.Module):
     def forward(self, hidden_states, sin, cos, key_padding_mask=None):
         B, T, C = hidden_states.shape
         qkv = self.Wqkv(hidden_states).view(B, T, 3, self.n_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)          # each (B, H, T, D)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, D)
         q = apply_rotary(q, sin, cos)
         k = apply_rotary(k, sin, cos)
         attn_mask = None
@@ -91,7 +104,9 @@ class Encoder(nn.Module):
     def __init__(self, d_model, n_heads, d_ff, n_layers, max_positions):
         super().__init__()
         self.rotary = SinusoidalRotary(d_model // n_heads, max_positions)
-        self.layers = nn.ModuleDict({f"layer_{i}": EncoderBlock(d_model, n_heads, d_ff) for i in range(n_layers)})
+        self.layers = nn.ModuleDict(
+            {f"layer_{i}": EncoderBlock(d_model, n_heads, d_ff) for i in range(n_layers)}
+        )
         self.final_norm = nn.LayerNorm(d_model)
 
     def forward(self, x, key_padding_mask=None):
@@ -102,7 +117,9 @@ class Encoder(nn.Module):
 
 
 class RoFormerForMaskedLM(nn.Module):
-    def __init__(self, vocab_size=200, d_model=96, n_heads=6, d_ff=192, n_layers=3, max_positions=128):
+    def __init__(
+        self, vocab_size=200, d_model=96, n_heads=6, d_ff=192, n_layers=3, max_positions=128
+    ):
         super().__init__()
         self.embeddings = nn.Embedding(vocab_size, d_model)
         self.emb_norm = nn.LayerNorm(d_model)

@@ -6,6 +6,7 @@ Slip: the parallel block's attention (ParallelAttention, a subclass written for 
 port) sets its scale from the model width, (n_embd) ** -0.5, instead of the head size.  Only
 blocks.2.attn uses it; blocks 0 and 1 are right.
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -15,10 +16,12 @@ EXPECT = {
     "ok": False,
     "layers": ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"],
     "kind": "causal-multihead",
-    "layer": "blocks.2.attn", "stage": "scaled_scores", "mistake": "wrong_scale",
+    "layer": "blocks.2.attn",
+    "stage": "scaled_scores",
+    "mistake": "wrong_scale",
     "cache": None,
     "style": "GPT-2/GPT-J hybrid with a per-layer parallel block; slip: the parallel block's attention "
-             "scales by 1/sqrt(n_embd)=1/sqrt(80) instead of 1/sqrt(head_dim)=1/4",
+    "scales by 1/sqrt(n_embd)=1/sqrt(80) instead of 1/sqrt(head_dim)=1/4",
 }
 
 
@@ -40,9 +43,12 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_embd)
         self.v_proj = nn.Linear(config.n_embd, config.n_embd)
         self.out_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.scale = self.head_dim ** -0.5
-        self.register_buffer("causal", torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool)),
-                             persistent=False)
+        self.scale = self.head_dim**-0.5
+        self.register_buffer(
+            "causal",
+            torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool)),
+            persistent=False,
+        )
 
     def _split(self, t):
         B, T, _ = t.shape
@@ -50,7 +56,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
+        q, k, v = (
+            self._split(self.q_proj(x)),
+            self._split(self.k_proj(x)),
+            self._split(self.v_proj(x)),
+        )
         att = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         att = att.masked_fill(~self.causal[:T, :T], torch.finfo(att.dtype).min)
         att = F.softmax(att, dim=-1)
@@ -61,7 +71,7 @@ class SelfAttention(nn.Module):
 class ParallelAttention(SelfAttention):
     def __init__(self, config):
         super().__init__(config)
-        self.scale = config.n_embd ** -0.5
+        self.scale = config.n_embd**-0.5
 
 
 class MLP(nn.Module):
@@ -104,10 +114,12 @@ class HybridGPT(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleList([
-            ParallelBlock(config) if i >= config.parallel_from else SequentialBlock(config)
-            for i in range(config.n_layer)
-        ])
+        self.blocks = nn.ModuleList(
+            [
+                ParallelBlock(config) if i >= config.parallel_from else SequentialBlock(config)
+                for i in range(config.n_layer)
+            ]
+        )
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 

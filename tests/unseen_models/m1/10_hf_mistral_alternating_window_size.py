@@ -8,6 +8,7 @@ rotate_half RoPE, RMSNorm.  Returns an output with .logits.  No cache.
 Slip: the sliding mask keeps keys with (q_idx - kv_idx) <= sliding_window, i.e. window + 1
 keys per query.  Only layers.1 is a sliding layer; layers 0 and 2 are full causal and right.
 """
+
 from dataclasses import dataclass, field
 
 import torch
@@ -19,10 +20,12 @@ EXPECT = {
     "ok": False,
     "layers": ["model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.2.self_attn"],
     "kind": "causal-multihead",
-    "layer": "model.layers.1.self_attn", "stage": "masked_scores", "mistake": "window_size",
+    "layer": "model.layers.1.self_attn",
+    "stage": "masked_scores",
+    "mistake": "window_size",
     "cache": None,
     "style": "transformers Mistral/Gemma-2 layer_types + causal_mask_mapping; slip: sliding mask uses "
-             "<= sliding_window, so the declared window of 4 keys lets 5 through",
+    "<= sliding_window, so the declared window of 4 keys lets 5 through",
 }
 
 
@@ -37,7 +40,9 @@ class MistralConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     sliding_window: int = 4
-    layer_types: list = field(default_factory=lambda: ["full_attention", "sliding_attention", "full_attention"])
+    layer_types: list = field(
+        default_factory=lambda: ["full_attention", "sliding_attention", "full_attention"]
+    )
 
 
 class RMSNorm(nn.Module):
@@ -87,12 +92,22 @@ class MistralAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
-        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.scaling = self.head_dim**-0.5
+        self.sliding_window = (
+            config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+        )
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=False
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
+        )
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None):
         input_shape = hidden_states.shape[:-1]
@@ -134,7 +149,9 @@ class MistralDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask, position_embeddings):
         residual = hidden_states
-        hidden_states, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask)
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask
+        )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -143,14 +160,18 @@ def create_causal_mask(seq_len, dtype):
     q_idx = torch.arange(seq_len)[:, None]
     kv_idx = torch.arange(seq_len)[None, :]
     allowed = kv_idx <= q_idx
-    return torch.zeros(seq_len, seq_len, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return torch.zeros(seq_len, seq_len, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[
+        None, None
+    ]
 
 
 def create_sliding_window_causal_mask(seq_len, sliding_window, dtype):
     q_idx = torch.arange(seq_len)[:, None]
     kv_idx = torch.arange(seq_len)[None, :]
     allowed = (kv_idx <= q_idx) & ((q_idx - kv_idx) <= sliding_window)
-    return torch.zeros(seq_len, seq_len, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return torch.zeros(seq_len, seq_len, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[
+        None, None
+    ]
 
 
 @dataclass
@@ -163,7 +184,9 @@ class MistralModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([MistralDecoderLayer(config, i) for i in range(len(config.layer_types))])
+        self.layers = nn.ModuleList(
+            [MistralDecoderLayer(config, i) for i in range(len(config.layer_types))]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -173,13 +196,17 @@ class MistralModel(nn.Module):
         position_ids = torch.arange(seq_len, device=input_ids.device)[None]
         causal_mask_mapping = {
             "full_attention": create_causal_mask(seq_len, hidden_states.dtype),
-            "sliding_attention": create_sliding_window_causal_mask(seq_len, self.config.sliding_window,
-                                                                   hidden_states.dtype),
+            "sliding_attention": create_sliding_window_causal_mask(
+                seq_len, self.config.sliding_window, hidden_states.dtype
+            ),
         }
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for decoder_layer in self.layers:
-            hidden_states = decoder_layer(hidden_states, causal_mask_mapping[decoder_layer.attention_type],
-                                          position_embeddings)
+            hidden_states = decoder_layer(
+                hidden_states,
+                causal_mask_mapping[decoder_layer.attention_type],
+                position_embeddings,
+            )
         return self.norm(hidden_states)
 
 

@@ -8,6 +8,7 @@ Slip: the expansion pattern is 'b h t d -> b (r h) t d', which tiles the kv head
 (query head i uses kv head i % kv_heads) instead of 'b h t d -> b (h r) t d' (i // group).
 It changes nothing with 8 kv heads or with 1, so only layers.1 (2 kv heads) is wrong.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -21,10 +22,12 @@ EXPECT = {
     "ok": False,
     "layers": ["layers.0.attn", "layers.1.attn", "layers.2.attn"],
     "kind": "causal-multihead",
-    "layer": "layers.1.attn", "stage": "scores", "mistake": "kv_group_mapping",
+    "layer": "layers.1.attn",
+    "stage": "scores",
+    "mistake": "kv_group_mapping",
     "cache": None,
     "style": "DeciLM variable GQA (per-layer n_heads_in_group) with einops; slip: repeat pattern "
-             "'(r h)' instead of '(h r)' pairs query head i with kv head i % kv_heads",
+    "'(r h)' instead of '(h r)' pairs query head i with kv head i % kv_heads",
 }
 
 

@@ -8,6 +8,7 @@ Slip: the ported attention rotates adjacent (interleaved) pairs but is fed the h
 tables, so the two members of a pair are turned by different angles: not a rotation.
 Only layers.1 is fused; layers 0 and 2 are right.
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -17,10 +18,12 @@ EXPECT = {
     "ok": False,
     "layers": ["layers.0.self_attn", "layers.1.self_attn", "layers.2.self_attn"],
     "kind": "causal-multihead",
-    "layer": "layers.1.self_attn", "stage": "rotated_queries", "mistake": "rope_pairing",
+    "layer": "layers.1.self_attn",
+    "stage": "rotated_queries",
+    "mistake": "rope_pairing",
     "cache": None,
     "style": "HF Llama + a Meta-style fused layer ported into it; slip: rotate_every_two with the model's "
-             "rotate_half-layout cos/sin tables",
+    "rotate_half-layout cos/sin tables",
 }
 
 
@@ -67,8 +70,11 @@ class Attention(nn.Module):
     def project(self, x):
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        return (self.q_proj(x).view(shape).transpose(1, 2), self.k_proj(x).view(shape).transpose(1, 2),
-                self.v_proj(x).view(shape).transpose(1, 2))
+        return (
+            self.q_proj(x).view(shape).transpose(1, 2),
+            self.k_proj(x).view(shape).transpose(1, 2),
+            self.v_proj(x).view(shape).transpose(1, 2),
+        )
 
     def rotate(self, q, k, cos, sin):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -93,7 +99,11 @@ class FusedRopeAttention(Attention):
         B, T, C = x.shape
         q, k, v = self.wqkv(x).split(C, dim=-1)
         shape = (B, T, self.num_heads, self.head_dim)
-        return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+        return (
+            q.view(shape).transpose(1, 2),
+            k.view(shape).transpose(1, 2),
+            v.view(shape).transpose(1, 2),
+        )
 
     def rotate(self, q, k, cos, sin):
         return q * cos + rotate_every_two(q) * sin, k * cos + rotate_every_two(k) * sin
@@ -103,7 +113,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size)
-        self.self_attn = FusedRopeAttention(cfg) if layer_idx in cfg.fused_layers else Attention(cfg)
+        self.self_attn = (
+            FusedRopeAttention(cfg) if layer_idx in cfg.fused_layers else Attention(cfg)
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)

@@ -6,6 +6,7 @@ with is_causal=True.  Fused qkv projection, learned positions, pre-norm LayerNor
 Slip: the hand-written path normalises with softmax(dim=-2), over the queries, instead of
 over the keys.  Only h.1 is probed; h.0 and h.2 are right.
 """
+
 import math
 
 import torch
@@ -17,10 +18,12 @@ EXPECT = {
     "ok": False,
     "layers": ["h.0.attn", "h.1.attn", "h.2.attn"],
     "kind": "causal-multihead",
-    "layer": "h.1.attn", "stage": "weights", "mistake": "softmax_wrong_dim",
+    "layer": "h.1.attn",
+    "stage": "weights",
+    "mistake": "softmax_wrong_dim",
     "cache": None,
     "style": "nanoGPT fork with an eager 'probe' path per layer (flash vs manual branch); slip: "
-             "softmax(dim=-2) in the manual branch",
+    "softmax(dim=-2) in the manual branch",
 }
 
 
@@ -43,8 +46,13 @@ class CausalSelfAttention(nn.Module):
         self.flash = layer_idx not in config.probe_layers
         self.last_att = None
         if not self.flash:
-            self.register_buffer("bias", torch.tril(torch.ones(config.block_size, config.block_size))
-                                 .view(1, 1, config.block_size, config.block_size), persistent=False)
+            self.register_buffer(
+                "bias",
+                torch.tril(torch.ones(config.block_size, config.block_size)).view(
+                    1, 1, config.block_size, config.block_size
+                ),
+                persistent=False,
+            )
 
     def forward(self, x):
         B, T, C = x.size()
@@ -70,8 +78,11 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd, bias=False), nn.GELU(),
-                                 nn.Linear(4 * config.n_embd, config.n_embd, bias=False))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.n_embd, 4 * config.n_embd, bias=False),
+            nn.GELU(),
+            nn.Linear(4 * config.n_embd, config.n_embd, bias=False),
+        )
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

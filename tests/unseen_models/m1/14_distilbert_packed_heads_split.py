@@ -9,6 +9,7 @@ Slip: PackedSelfAttention.shape() views the projection as (bs, n_heads, seq, dim
 directly instead of (bs, seq, n_heads, dim_per_head) then transposing, so each "head" is a
 block of consecutive token/feature values mixed across tokens.  Layer 0 (eager) is right.
 """
+
 import math
 
 import torch
@@ -17,13 +18,18 @@ import torch.nn as nn
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["transformer.layer.0.attention", "transformer.layer.1.attention",
-               "transformer.layer.2.attention"],
+    "layers": [
+        "transformer.layer.0.attention",
+        "transformer.layer.1.attention",
+        "transformer.layer.2.attention",
+    ],
     "kind": "multihead",
-    "layer": "transformer.layer.1.attention", "stage": "queries", "mistake": "heads_split",
+    "layer": "transformer.layer.1.attention",
+    "stage": "queries",
+    "mistake": "heads_split",
     "cache": None,
     "style": "transformers modeling_distilbert.py; slip: a per-layer 'packed' attention subclass reshapes "
-             "q/k/v with view(bs, n_heads, -1, dim_per_head) (heads cut from the wrong axis)",
+    "q/k/v with view(bs, n_heads, -1, dim_per_head) (heads cut from the wrong axis)",
 }
 
 
@@ -48,7 +54,9 @@ class Embeddings(nn.Module):
         seq_length = input_ids.size(1)
         position_ids = torch.arange(seq_length, dtype=torch.long, device=input_ids.device)
         position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
-        return self.LayerNorm(self.word_embeddings(input_ids) + self.position_embeddings(position_ids))
+        return self.LayerNorm(
+            self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        )
 
 
 class MultiHeadSelfAttention(nn.Module):

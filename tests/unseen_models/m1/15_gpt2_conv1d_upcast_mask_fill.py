@@ -9,6 +9,7 @@ Slip: the upcast path "masks" by multiplying the scores with the 0/1 causal mask
 positions get score 0 instead of a large negative value and keep softmax weight.  Only
 transformer.h.2 takes that path.
 """
+
 import math
 
 import torch
@@ -19,10 +20,12 @@ EXPECT = {
     "ok": False,
     "layers": ["transformer.h.0.attn", "transformer.h.1.attn", "transformer.h.2.attn"],
     "kind": "causal-multihead",
-    "layer": "transformer.h.2.attn", "stage": "masked_scores", "mistake": "mask_fill_value",
+    "layer": "transformer.h.2.attn",
+    "stage": "masked_scores",
+    "mistake": "mask_fill_value",
     "cache": None,
     "style": "transformers modeling_gpt2.py (Conv1D, _attn / _upcast_and_reordered_attn); slip: the "
-             "per-layer upcast path multiplies scores by the 0/1 mask (fill value 0, not -inf/min)",
+    "per-layer upcast path multiplies scores by the 0/1 mask (fill value 0, not -inf/min)",
 }
 
 
@@ -56,8 +59,13 @@ class GPT2Attention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
         max_positions = config.n_positions
-        self.register_buffer("bias", torch.tril(torch.ones((max_positions, max_positions), dtype=torch.bool))
-                             .view(1, 1, max_positions, max_positions), persistent=False)
+        self.register_buffer(
+            "bias",
+            torch.tril(torch.ones((max_positions, max_positions), dtype=torch.bool)).view(
+                1, 1, max_positions, max_positions
+            ),
+            persistent=False,
+        )
         self.embed_dim = config.n_embd
         self.num_heads = config.n_head
         self.head_dim = self.embed_dim // self.num_heads
@@ -69,9 +77,11 @@ class GPT2Attention(nn.Module):
 
     def _attn(self, query, key, value):
         attn_weights = torch.matmul(query, key.transpose(-1, -2))
-        attn_weights = attn_weights / torch.full([], value.size(-1) ** 0.5, dtype=attn_weights.dtype)
+        attn_weights = attn_weights / torch.full(
+            [], value.size(-1) ** 0.5, dtype=attn_weights.dtype
+        )
         query_length, key_length = query.size(-2), key.size(-2)
-        causal_mask = self.bias[:, :, key_length - query_length: key_length, :key_length]
+        causal_mask = self.bias[:, :, key_length - query_length : key_length, :key_length]
         mask_value = torch.finfo(attn_weights.dtype).min
         mask_value = torch.full([], mask_value, dtype=attn_weights.dtype)
         attn_weights = torch.where(causal_mask, attn_weights.to(attn_weights.dtype), mask_value)
@@ -81,13 +91,15 @@ class GPT2Attention(nn.Module):
     def _upcast_and_reordered_attn(self, query, key, value):
         bsz, num_heads, q_seq_len, dk = query.size()
         _, _, k_seq_len, _ = key.size()
-        attn_weights = torch.empty(bsz * num_heads, q_seq_len, k_seq_len, dtype=torch.float32, device=query.device)
+        attn_weights = torch.empty(
+            bsz * num_heads, q_seq_len, k_seq_len, dtype=torch.float32, device=query.device
+        )
         scale_factor = 1.0 / float(value.size(-1)) ** 0.5
         q = query.reshape(-1, q_seq_len, dk).float()
         k = key.transpose(-1, -2).reshape(-1, dk, k_seq_len).float()
         attn_weights = torch.baddbmm(attn_weights, q, k, beta=0, alpha=scale_factor)
         attn_weights = attn_weights.reshape(bsz, num_heads, q_seq_len, k_seq_len)
-        causal_mask = self.bias[:, :, k_seq_len - q_seq_len: k_seq_len, :k_seq_len]
+        causal_mask = self.bias[:, :, k_seq_len - q_seq_len : k_seq_len, :k_seq_len]
         attn_weights = attn_weights * causal_mask.to(attn_weights.dtype)
         attn_weights = nn.functional.softmax(attn_weights, dim=-1).type(value.dtype)
         return torch.matmul(attn_weights, value)
@@ -102,7 +114,11 @@ class GPT2Attention(nn.Module):
 
     def forward(self, hidden_states):
         query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)
-        query, key, value = self._split_heads(query), self._split_heads(key), self._split_heads(value)
+        query, key, value = (
+            self._split_heads(query),
+            self._split_heads(key),
+            self._split_heads(value),
+        )
         if self.reorder_and_upcast_attn:
             attn_output = self._upcast_and_reordered_attn(query, key, value)
         else:

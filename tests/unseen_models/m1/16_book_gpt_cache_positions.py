@@ -7,6 +7,7 @@ Slip: when the cache is on, the model advances current_pos but builds the positi
 new tokens from zero, so every decoded token gets the positional embedding of position 0.  The
 full forward (use_cache=False) is right.
 """
+
 import torch
 import torch.nn as nn
 
@@ -18,7 +19,7 @@ EXPECT = {
     "cache": "book-buffers",
     "decode": {"mistake": "cache_positions", "step": 0, "layer": "trf_blocks.0.att"},
     "style": "LLMs-from-scratch gpt_with_kv_cache.py; slip: cached pos_ids = arange(seq_len) without "
-             "current_pos, so the learned position of a decoded token is not offset by the cache length",
+    "current_pos, so the learned position of a decoded token is not offset by the cache length",
 }
 
 GPT_CONFIG_SMALL = {
@@ -44,8 +45,11 @@ class MultiHeadAttention(nn.Module):
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(dropout)
-        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1),
-                             persistent=False)
+        self.register_buffer(
+            "mask",
+            torch.triu(torch.ones(context_length, context_length), diagonal=1),
+            persistent=False,
+        )
         self.register_buffer("cache_k", None, persistent=False)
         self.register_buffer("cache_v", None, persistent=False)
         self.ptr_current_pos = 0
@@ -79,7 +83,9 @@ class MultiHeadAttention(nn.Module):
         num_tokens_Q = queries.shape[-2]
         num_tokens_K = keys.shape[-2]
         if use_cache:
-            mask_bool = self.mask.bool()[self.ptr_current_pos:self.ptr_current_pos + num_tokens_Q, :num_tokens_K]
+            mask_bool = self.mask.bool()[
+                self.ptr_current_pos : self.ptr_current_pos + num_tokens_Q, :num_tokens_K
+            ]
             self.ptr_current_pos += num_tokens_Q
         else:
             mask_bool = self.mask.bool()[:num_tokens_Q, :num_tokens_K]
@@ -113,7 +119,16 @@ class LayerNorm(nn.Module):
 
 class GELU(nn.Module):
     def forward(self, x):
-        return 0.5 * x * (1 + torch.tanh(torch.sqrt(torch.tensor(2.0 / torch.pi)) * (x + 0.044715 * torch.pow(x, 3))))
+        return (
+            0.5
+            * x
+            * (
+                1
+                + torch.tanh(
+                    torch.sqrt(torch.tensor(2.0 / torch.pi)) * (x + 0.044715 * torch.pow(x, 3))
+                )
+            )
+        )
 
 
 class FeedForward(nn.Module):
@@ -133,8 +148,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.att = MultiHeadAttention(
-            d_in=cfg["emb_dim"], d_out=cfg["emb_dim"], context_length=cfg["context_length"],
-            num_heads=cfg["n_heads"], dropout=cfg["drop_rate"], qkv_bias=cfg["qkv_bias"])
+            d_in=cfg["emb_dim"],
+            d_out=cfg["emb_dim"],
+            context_length=cfg["context_length"],
+            num_heads=cfg["n_heads"],
+            dropout=cfg["drop_rate"],
+            qkv_bias=cfg["qkv_bias"],
+        )
         self.ff = FeedForward(cfg)
         self.norm1 = LayerNorm(cfg["emb_dim"])
         self.norm2 = LayerNorm(cfg["emb_dim"])

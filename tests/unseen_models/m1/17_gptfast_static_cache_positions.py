@@ -10,6 +10,7 @@ Slip: the rotary table is sliced as freqs_cis[:T] (fine without a cache, where i
 position 0 while it is written into the right cache slot and masked correctly.  The full
 forward is right.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,8 @@ EXPECT = {
     "cache": "book-buffers",
     "decode": {"mistake": "cache_positions", "step": 0, "layer": "layers.0.attention"},
     "style": "gpt-fast model.py (static KVCache.update(input_pos, k, v) with index_copy_, mask row "
-             "causal_mask[input_pos], interleaved freqs_cis) behind forward(idx, use_cache) + reset_kv_cache(); "
-             "slip: freqs_cis[:T] instead of freqs_cis[input_pos]",
+    "causal_mask[input_pos], interleaved freqs_cis) behind forward(idx, use_cache) + reset_kv_cache(); "
+    "slip: freqs_cis[:T] instead of freqs_cis[input_pos]",
 }
 
 
@@ -71,7 +72,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        out = x.float() * torch.rsqrt(torch.mean(x.float() * x.float(), dim=-1, keepdim=True) + self.eps)
+        out = x.float() * torch.rsqrt(
+            torch.mean(x.float() * x.float(), dim=-1, keepdim=True) + self.eps
+        )
         return out.type_as(x) * self.weight
 
 
@@ -165,18 +168,25 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(config.block_size, config.head_dim, config.rope_base),
-                             persistent=False)
-        self.register_buffer("causal_mask", torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool)),
-                             persistent=False)
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(config.block_size, config.head_dim, config.rope_base),
+            persistent=False,
+        )
+        self.register_buffer(
+            "causal_mask",
+            torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool)),
+            persistent=False,
+        )
         self.max_batch_size = max_batch_size
         self.setup_caches(max_batch_size, config.block_size)
         self.current_pos = 0
 
     def setup_caches(self, max_batch_size, max_seq_length):
         for b in self.layers:
-            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.config.n_local_heads,
-                                           self.config.head_dim)
+            b.attention.kv_cache = KVCache(
+                max_batch_size, max_seq_length, self.config.n_local_heads, self.config.head_dim
+            )
 
     def reset_kv_cache(self):
         self.current_pos = 0

@@ -9,6 +9,7 @@ instead of the concatenation with the previous cache.  The prompt and the first 
 are right (the prompt is what was cached); from the second decoded token on, the cache has
 lost everything but the previous token.  The full forward is right.
 """
+
 import torch
 import torch.nn as nn
 
@@ -20,7 +21,7 @@ EXPECT = {
     "cache": "book-cache",
     "decode": {"mistake": "cache_stale", "step": 1, "layer": "trf_blocks.0.att"},
     "style": "LLMs-from-scratch llama3.2/qwen3 KV-cache notebook; slip: next_cache = (keys_new, values_new), "
-             "so the cache is overwritten with the newest token instead of grown",
+    "so the cache is overwritten with the newest token instead of grown",
 }
 
 LLAMA32_CONFIG_TINY = {
@@ -78,7 +79,10 @@ class RMSNorm(nn.Module):
 
 def compute_rope_params(head_dim, theta_base=10_000, context_length=4096, dtype=torch.float32):
     assert head_dim % 2 == 0, "Embedding dimension must be even"
-    inv_freq = 1.0 / (theta_base ** (torch.arange(0, head_dim, 2, dtype=dtype)[: (head_dim // 2)].float() / head_dim))
+    inv_freq = 1.0 / (
+        theta_base
+        ** (torch.arange(0, head_dim, 2, dtype=dtype)[: (head_dim // 2)].float() / head_dim)
+    )
     positions = torch.arange(context_length, dtype=dtype)
     angles = positions[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=1)
@@ -89,9 +93,9 @@ def apply_rope(x, cos, sin, offset=0):
     batch_size, num_heads, seq_len, head_dim = x.shape
     assert head_dim % 2 == 0, "Head dimension must be even"
     x1 = x[..., : head_dim // 2]
-    x2 = x[..., head_dim // 2:]
-    cos = cos[offset:offset + seq_len, :].unsqueeze(0).unsqueeze(0)
-    sin = sin[offset:offset + seq_len, :].unsqueeze(0).unsqueeze(0)
+    x2 = x[..., head_dim // 2 :]
+    cos = cos[offset : offset + seq_len, :].unsqueeze(0).unsqueeze(0)
+    sin = sin[offset : offset + seq_len, :].unsqueeze(0).unsqueeze(0)
     rotated = torch.cat((-x2, x1), dim=-1)
     x_rotated = (x * cos) + (rotated * sin)
     return x_rotated.to(dtype=x.dtype)
@@ -105,7 +109,9 @@ class GroupedQueryAttention(nn.Module):
         self.num_kv_groups = num_kv_groups
         self.group_size = num_heads // num_kv_groups
         if head_dim is None:
-            assert d_in % num_heads == 0, "`d_in` must be divisible by `num_heads` if `head_dim` is not set"
+            assert d_in % num_heads == 0, (
+                "`d_in` must be divisible by `num_heads` if `head_dim` is not set"
+            )
             head_dim = d_in // num_heads
         self.head_dim = head_dim
         self.d_out = num_heads * head_dim
@@ -157,10 +163,12 @@ class GroupedQueryAttention(nn.Module):
             # causal mask built from the key count, as in Meta's llama reference: the
             # num_tokens new queries are the last num_tokens of the num_keys keys
             num_keys = keys.shape[2]
-            mask = torch.triu(torch.ones(num_tokens, num_keys, device=x.device, dtype=torch.bool),
-                              diagonal=num_keys - num_tokens + 1)[None, None]
+            mask = torch.triu(
+                torch.ones(num_tokens, num_keys, device=x.device, dtype=torch.bool),
+                diagonal=num_keys - num_tokens + 1,
+            )[None, None]
         attn_scores = attn_scores.masked_fill(mask, -torch.inf)
-        attn_weights = torch.softmax(attn_scores / self.head_dim ** 0.5, dim=-1)
+        attn_weights = torch.softmax(attn_scores / self.head_dim**0.5, dim=-1)
 
         context = (attn_weights @ values).transpose(1, 2).reshape(b, num_tokens, self.d_out)
         return self.out_proj(context), next_cache
@@ -181,8 +189,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.att = GroupedQueryAttention(
-            d_in=cfg["emb_dim"], num_heads=cfg["n_heads"], head_dim=cfg["head_dim"],
-            num_kv_groups=cfg["n_kv_groups"], qk_norm=cfg["qk_norm"], dtype=cfg["dtype"])
+            d_in=cfg["emb_dim"],
+            num_heads=cfg["n_heads"],
+            head_dim=cfg["head_dim"],
+            num_kv_groups=cfg["n_kv_groups"],
+            qk_norm=cfg["qk_norm"],
+            dtype=cfg["dtype"],
+        )
         self.ff = FeedForward(cfg)
         self.norm1 = RMSNorm(cfg["emb_dim"], eps=1e-6)
         self.norm2 = RMSNorm(cfg["emb_dim"], eps=1e-6)
@@ -207,8 +220,11 @@ class Llama3Model(nn.Module):
         self.final_norm = RMSNorm(cfg["emb_dim"])
         self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False, dtype=cfg["dtype"])
 
-        cos, sin = compute_rope_params(head_dim=cfg["head_dim"], theta_base=cfg["rope_base"],
-                                       context_length=cfg["context_length"])
+        cos, sin = compute_rope_params(
+            head_dim=cfg["head_dim"],
+            theta_base=cfg["rope_base"],
+            context_length=cfg["context_length"],
+        )
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.cfg = cfg
@@ -226,7 +242,9 @@ class Llama3Model(nn.Module):
 
         for i, block in enumerate(self.trf_blocks):
             blk_cache = cache.get(i) if cache else None
-            x, new_blk_cache = block(x, mask, self.cos, self.sin, start_pos=pos_start, cache=blk_cache)
+            x, new_blk_cache = block(
+                x, mask, self.cos, self.sin, start_pos=pos_start, cache=blk_cache
+            )
             if cache is not None:
                 cache.update(i, new_blk_cache)
 

@@ -10,6 +10,7 @@ model loop still carries the legacy "presents" code and calls past_key_values.up
 with each layer's new keys/values.  The prompt pass is right; from the first decoded token on
 every layer sees its cached keys/values twice.  The full forward is right.
 """
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,12 +21,16 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["gpt_neox.layers.0.attention", "gpt_neox.layers.1.attention", "gpt_neox.layers.2.attention"],
+    "layers": [
+        "gpt_neox.layers.0.attention",
+        "gpt_neox.layers.1.attention",
+        "gpt_neox.layers.2.attention",
+    ],
     "kind": "causal-multihead",
     "cache": "hf",
     "decode": {"mistake": "cache_stale", "step": 0, "layer": "gpt_neox.layers.0.attention"},
     "style": "transformers modeling_gpt_neox.py (partial rotary, parallel residual, Cache.update); slip: "
-             "legacy presents loop updates the cache a second time after the attention did",
+    "legacy presents loop updates the cache a second time after the attention did",
 }
 
 
@@ -54,7 +59,9 @@ class Cache:
             self.value_cache.append(value_states)
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
     def get_seq_length(self):
@@ -81,7 +88,7 @@ class GPTNeoXRotaryEmbedding(nn.Module):
 
 def rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
+    x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -94,7 +101,7 @@ class GPTNeoXAttention(nn.Module):
         self.head_size = self.hidden_size // self.num_attention_heads
         self.rotary_ndims = int(self.head_size * config.rotary_pct)
         self.rotary_emb = GPTNeoXRotaryEmbedding(self.rotary_ndims, base=config.rotary_emb_base)
-        self.scaling = self.head_size ** -0.5
+        self.scaling = self.head_size**-0.5
         self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
@@ -106,8 +113,8 @@ class GPTNeoXAttention(nn.Module):
 
         cos, sin = self.rotary_emb(position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q_rot, q_pass = query[..., : self.rotary_ndims], query[..., self.rotary_ndims:]
-        k_rot, k_pass = key[..., : self.rotary_ndims], key[..., self.rotary_ndims:]
+        q_rot, q_pass = query[..., : self.rotary_ndims], query[..., self.rotary_ndims :]
+        k_rot, k_pass = key[..., : self.rotary_ndims], key[..., self.rotary_ndims :]
         query = torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1)
         key = torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1)
 
@@ -115,7 +122,9 @@ class GPTNeoXAttention(nn.Module):
         if layer_past is not None:
             key, value = layer_past.update(key, value, self.layer_idx)
 
-        attn_output = F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=self.scaling)
+        attn_output = F.scaled_dot_product_attention(
+            query, key, value, is_causal=T > 1, scale=self.scaling
+        )
         attn_output = attn_output.transpose(1, 2).reshape(B, T, self.hidden_size)
         return self.dense(attn_output), present
 
@@ -140,8 +149,12 @@ class GPTNeoXLayer(nn.Module):
         self.mlp = GPTNeoXMLP(config)
 
     def forward(self, hidden_states, position_ids, layer_past=None, use_cache=False):
-        attn_output, present = self.attention(self.input_layernorm(hidden_states), position_ids,
-                                              layer_past=layer_past, use_cache=use_cache)
+        attn_output, present = self.attention(
+            self.input_layernorm(hidden_states),
+            position_ids,
+            layer_past=layer_past,
+            use_cache=use_cache,
+        )
         if self.use_parallel_residual:
             mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
             hidden_states = mlp_output + attn_output + hidden_states
@@ -155,7 +168,9 @@ class GPTNeoXModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([GPTNeoXLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [GPTNeoXLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
@@ -163,12 +178,15 @@ class GPTNeoXModel(nn.Module):
             past_key_values = Cache()
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         T = input_ids.shape[1]
-        position_ids = torch.arange(past_length, past_length + T, device=input_ids.device).unsqueeze(0)
+        position_ids = torch.arange(
+            past_length, past_length + T, device=input_ids.device
+        ).unsqueeze(0)
 
         hidden_states = self.embed_in(input_ids)
         for i, layer in enumerate(self.layers):
-            hidden_states, present = layer(hidden_states, position_ids, layer_past=past_key_values,
-                                           use_cache=use_cache)
+            hidden_states, present = layer(
+                hidden_states, position_ids, layer_past=past_key_values, use_cache=use_cache
+            )
             if use_cache:
                 past_key_values.update(present[0], present[1], i)
         if past_key_values is not None:
@@ -183,10 +201,13 @@ class GPTNeoXForCausalLM(nn.Module):
         self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
-        hidden_states, past_key_values = self.gpt_neox(input_ids, past_key_values=past_key_values,
-                                                       use_cache=use_cache)
-        return CausalLMOutputWithPast(logits=self.embed_out(hidden_states),
-                                      past_key_values=past_key_values if use_cache else None)
+        hidden_states, past_key_values = self.gpt_neox(
+            input_ids, past_key_values=past_key_values, use_cache=use_cache
+        )
+        return CausalLMOutputWithPast(
+            logits=self.embed_out(hidden_states),
+            past_key_values=past_key_values if use_cache else None,
+        )
 
 
 def make_model():

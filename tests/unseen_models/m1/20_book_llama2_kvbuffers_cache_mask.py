@@ -9,6 +9,7 @@ Slip: in the cached branch the causal mask is sliced as mask[:num_tokens_Q, :num
 right (ptr is 0 there); a decoded token gets mask row 0, so it sees only the first cached key
 and not the others nor itself.  The full forward is right.
 """
+
 import torch
 import torch.nn as nn
 
@@ -20,7 +21,7 @@ EXPECT = {
     "cache": "book-buffers",
     "decode": {"mistake": "cache_mask", "step": 0, "layer": "trf_blocks.0.att"},
     "style": "LLMs-from-scratch Llama 2 + KV-cache buffers; slip: cached mask slice not offset by "
-             "ptr_current_pos (rope offset is)",
+    "ptr_current_pos (rope offset is)",
 }
 
 LLAMA2_CONFIG_MINI = {
@@ -66,7 +67,9 @@ class FeedForward(nn.Module):
 
 def precompute_rope_params(head_dim, theta_base=10_000, context_length=4096):
     assert head_dim % 2 == 0, "Embedding dimension must be even"
-    inv_freq = 1.0 / (theta_base ** (torch.arange(0, head_dim, 2)[: (head_dim // 2)].float() / head_dim))
+    inv_freq = 1.0 / (
+        theta_base ** (torch.arange(0, head_dim, 2)[: (head_dim // 2)].float() / head_dim)
+    )
     positions = torch.arange(context_length)
     angles = positions[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=1)
@@ -76,9 +79,9 @@ def precompute_rope_params(head_dim, theta_base=10_000, context_length=4096):
 def compute_rope(x, cos, sin, offset=0):
     batch_size, num_heads, seq_len, head_dim = x.shape
     x1 = x[..., : head_dim // 2]
-    x2 = x[..., head_dim // 2:]
-    cos = cos[offset:offset + seq_len, :].unsqueeze(0).unsqueeze(0)
-    sin = sin[offset:offset + seq_len, :].unsqueeze(0).unsqueeze(0)
+    x2 = x[..., head_dim // 2 :]
+    cos = cos[offset : offset + seq_len, :].unsqueeze(0).unsqueeze(0)
+    sin = sin[offset : offset + seq_len, :].unsqueeze(0).unsqueeze(0)
     rotated = torch.cat((-x2, x1), dim=-1)
     return ((x * cos) + (rotated * sin)).to(dtype=x.dtype)
 
@@ -94,8 +97,11 @@ class MultiHeadAttention(nn.Module):
         self.W_key = nn.Linear(d_in, d_out, bias=False, dtype=dtype)
         self.W_value = nn.Linear(d_in, d_out, bias=False, dtype=dtype)
         self.out_proj = nn.Linear(d_out, d_out, bias=False, dtype=dtype)
-        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1),
-                             persistent=False)
+        self.register_buffer(
+            "mask",
+            torch.triu(torch.ones(context_length, context_length), diagonal=1),
+            persistent=False,
+        )
         cos, sin = precompute_rope_params(head_dim=self.head_dim, context_length=context_length)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -107,7 +113,9 @@ class MultiHeadAttention(nn.Module):
         b, num_tokens, d_in = x.shape
         queries = self.W_query(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
         keys_new = self.W_key(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
-        values_new = self.W_value(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        values_new = (
+            self.W_value(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        )
 
         offset = self.ptr_current_pos if use_cache else 0
         queries = compute_rope(queries, self.cos, self.sin, offset=offset)
@@ -144,8 +152,13 @@ class MultiHeadAttention(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.att = MultiHeadAttention(d_in=cfg["emb_dim"], d_out=cfg["emb_dim"], context_length=cfg["context_length"],
-                                      num_heads=cfg["n_heads"], dtype=cfg["dtype"])
+        self.att = MultiHeadAttention(
+            d_in=cfg["emb_dim"],
+            d_out=cfg["emb_dim"],
+            context_length=cfg["context_length"],
+            num_heads=cfg["n_heads"],
+            dtype=cfg["dtype"],
+        )
         self.ff = FeedForward(cfg)
         self.norm1 = RMSNorm(cfg["emb_dim"])
         self.norm2 = RMSNorm(cfg["emb_dim"])

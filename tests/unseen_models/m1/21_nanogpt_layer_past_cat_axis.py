@@ -9,6 +9,7 @@ Slip: the cache is concatenated along the last axis (head_size) instead of the s
 step raises in the first block ("Sizes of tensors must match except in dimension 3").
 The full forward is right.
 """
+
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -19,12 +20,17 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["transformer.h.0.attn", "transformer.h.1.attn", "transformer.h.2.attn", "transformer.h.3.attn"],
+    "layers": [
+        "transformer.h.0.attn",
+        "transformer.h.1.attn",
+        "transformer.h.2.attn",
+        "transformer.h.3.attn",
+    ],
     "kind": "causal-multihead",
     "cache": "hf",
     "decode": {"mistake": "cache_other", "step": 0, "layer": "transformer.h.0.attn"},
     "style": "nanoGPT + HF GPT-2 style layer_past/presents tuples; slip: torch.cat(..., dim=-1) on the "
-             "cache (head_size axis), so the first decoding step raises",
+    "cache (head_size axis), so the first decoding step raises",
 }
 
 
@@ -73,8 +79,11 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
-                                 nn.Linear(4 * config.n_embd, config.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.n_embd, 4 * config.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * config.n_embd, config.n_embd),
+        )
 
     def forward(self, x, layer_past=None, use_cache=False):
         a, present = self.attn(self.ln_1(x), layer_past=layer_past, use_cache=use_cache)
@@ -86,12 +95,14 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, idx, past_key_values=None, use_cache=False):
