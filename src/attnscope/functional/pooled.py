@@ -133,12 +133,7 @@ def pooled_matrix(
         a :class:`PooledMatrix` with values ``(..., ceil(T / pool), ceil(S / pool))``.
     """
     st = _check_pool(stage, reduce, pool)
-    _check(queries, keys, keys, causal, window, bias_slopes, scale, 1)
-    if torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad):
-        raise AttnScopeError(
-            "pooled_matrix: expected tensors that do not require grad (call it under "
-            "torch.no_grad()), got some that do"
-        )
+    _check(queries, keys, keys, causal, window, bias_slopes, scale, 1)  # grad refused too
     t_q, t_k = queries.shape[-2], keys.shape[-2]
     offset = t_k - t_q
     lay = _Layout(
