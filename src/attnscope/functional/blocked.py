@@ -203,6 +203,12 @@ def _hidden(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | 
     return hide
 
 
+def _hides_some(lo: int, hi: int, k0: int, k1: int, causal: bool, window: int | None) -> bool:
+    """Whether the mask hides any key ``k0 .. k1 - 1`` from some query at positions
+    ``lo .. hi``: only blocks across the diagonal (or a window's edge) need a mask built."""
+    return causal and (k1 - 1 > lo or (window is not None and k0 <= hi - window))
+
+
 def _bias_block(slopes, qpos, kpos, dtype):
     """ALiBi's ``-slope * |i - j|`` (``slope * (j - i)`` on the causal part) for a block,
     computed in float64 as :func:`~attnscope.functional.alibi_bias` does, then cast."""
@@ -324,9 +330,8 @@ def _run(
             s5 = s.view(b, kv, g, bq, bk)
             if lay.slopes is not None:
                 s5 += _bias_block(lay.slopes, qpos, kpos_all[k0:k1], dtype)
-            # only blocks across the diagonal (or a window's edge) hide anything
             hide = None
-            if causal and (k1 - 1 > lo or (window is not None and k0 <= hi - window)):
+            if _hides_some(lo, hi, k0, k1, causal, window):
                 hide = _hidden(qpos, kpos_all[k0:k1], causal, window)
                 s5.masked_fill_(hide, -torch.inf)
             blk_max = s.amax(-1, keepdim=True)

@@ -16,7 +16,15 @@ import torch
 
 from ..errors import AttnScopeError, describe
 from ..stages import Stage
-from .blocked import _BLOCK_ENTRIES, _bias_block, _check, _hidden, _Layout, _positive_int
+from .blocked import (
+    _BLOCK_ENTRIES,
+    _bias_block,
+    _check,
+    _hidden,
+    _hides_some,
+    _Layout,
+    _positive_int,
+)
 
 __all__ = ["PooledMatrix", "pooled_matrix", "pool_matrix", "REDUCTIONS"]
 
@@ -164,9 +172,7 @@ def pooled_matrix(
         s = (q @ k_all[:, :, k0:k1, :].transpose(-2, -1)).view(b, kv, g, q1 - q0, k1 - k0)
         if lay.slopes is not None:
             s += _bias_block(lay.slopes, qpos, kpos_all[k0:k1], s.dtype)
-        # only blocks across the diagonal (or a window's edge) hide anything
-        first, last = q0 + offset, q1 - 1 + offset
-        if not masks or (k1 - 1 <= first and (window is None or k0 > last - window)):
+        if not _hides_some(q0 + offset, q1 - 1 + offset, k0, k1, masks, window):
             return s, None
         hide = _hidden(qpos, kpos_all[k0:k1], masks, window)
         return s.masked_fill_(hide, -torch.inf), ~hide
