@@ -243,6 +243,72 @@ def test_row_trace_equals_rows_of_the_full_trace(name, batched):
     assert rt.summary.entropy.shape == full["context"].shape[:-1]
 
 
+@pytest.mark.parametrize("name", ["v1", "causal", "mha", "gqa-rope"])
+def test_row_trace_lets_the_values_go_and_makes_them_again(name):
+    """A row trace does not hold its values once every context is made (nothing refers to
+    the value projection's output when the output projection runs, nor after the trace
+    returns); read, they are made again, bit for bit the full trace's, and held from then
+    on."""
+    import weakref
+
+    module = MODULES[name]
+    made, alive_at_output = [], []
+    x = torch.randn(2, 19, 8)
+    if isinstance(module.W_value, torch.nn.Module):  # V1's is a bare parameter, no hook
+        hooks = [
+            module.W_value.register_forward_hook(lambda m, i, out: made.append(weakref.ref(out)))
+        ]
+        if hasattr(module, "out_proj"):
+            hooks.append(
+                module.out_proj.register_forward_pre_hook(
+                    lambda m, i: alive_at_output.append(any(r() is not None for r in made))
+                )
+            )
+        try:
+            rt = module.trace(x, rows=[0, 18])
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert made and not any(alive_at_output)
+    else:
+        rt = module.trace(x, rows=[0, 18])
+    assert not rt.stages.is_held("values") and "values" in rt and "values" in rt.stages
+    assert "values (made when read)" in repr(rt.stages)
+    assert all(ref() is None for ref in made)  # let go, not merely hidden
+    assert torch.equal(rt["values"], module.trace(x)["values"])
+    assert rt.stages.is_held("values") and rt["values"] is rt.stages["values"]
+
+
+def test_row_trace_values_refuse_a_changed_module_or_input():
+    """Values made again from weights or an input changed since would be another
+    computation's: refused, with what to do."""
+    torch.manual_seed(2)
+    module = GroupedQueryAttention(8, 16, 4, 2)
+    x = torch.randn(2, 9, 8)
+    rt = module.trace(x, rows=[3])
+    with torch.no_grad():
+        module.W_value.weight.mul_(2.0)
+    with pytest.raises(attnscope.AttnScopeError, match="unchanged.*trace again"):
+        rt["values"]
+    rt = module.trace(x, rows=[3])
+    x.add_(1.0)
+    with pytest.raises(attnscope.AttnScopeError, match="unchanged"):
+        rt.stages["values"]
+    rt = module.trace(x, rows=[3])
+    module.W_value = torch.nn.Linear(8, 8, bias=False)  # replaced, not changed in place
+    with pytest.raises(attnscope.AttnScopeError, match="unchanged"):
+        rt["values"]
+
+
+def test_row_trace_summary_left_for_later_uses_the_values_made_again():
+    torch.manual_seed(4)
+    module = MODULES["gqa-alibi"]
+    for x in (torch.randn(2, 13, 8), torch.randn(13, 8)):
+        later, now = module.trace(x, rows=[5], summary=False), module.trace(x, rows=[5])
+        for field in SUMMARY_FIELDS:
+            torch.testing.assert_close(getattr(later.summary, field), getattr(now.summary, field))
+
+
 def test_row_trace_of_cross_attention():
     torch.manual_seed(5)
     module = GroupedQueryAttention(8, 16, 4, 2, cross=True)
@@ -251,6 +317,7 @@ def test_row_trace_of_cross_attention():
     torch.testing.assert_close(rt["weights"], full["weights"][..., [6, 1], :])
     torch.testing.assert_close(rt.result, full.result, atol=1e-6, rtol=1e-5)
     assert rt["weights"].shape == (2, 4, 2, 11) and rt.walk(1).matches
+    assert torch.equal(rt["values"], full["values"])  # made again from the context
 
 
 def test_row_trace_negative_rows_and_errors():

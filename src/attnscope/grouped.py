@@ -207,6 +207,10 @@ class GroupedQueryAttention(Traceable):
                 record.update(rotated_queries=q, rotated_keys=k)
         return q, k, v
 
+    def _values(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, K, S, D)``: the values stage alone (a row trace makes it again on read)."""
+        return self._split(self.W_value(x if context is None else context), self.num_kv_heads)
+
     def _bias(self, t_q: int, t_k: int, like: torch.Tensor) -> torch.Tensor | None:
         """``(H, T, S)`` ALiBi bias, or None."""
         if not self.alibi:
@@ -302,6 +306,7 @@ class GroupedQueryAttention(Traceable):
             slopes=self.alibi_slopes if self.alibi else None,
             dropout=self.dropout,
         )
+        del v  # a row trace makes the values again when read: not held beside the output
         out = self.out_proj(AF.merge_heads(ctx))  # (B, T, d_out)
         return self._output(out, record, unbatched)
 

@@ -81,6 +81,9 @@ class SelfAttentionV1(Traceable):
         self.W_key = nn.Parameter(torch.rand(d_in, d_out))
         self.W_value = nn.Parameter(torch.rand(d_in, d_out))
 
+    def _values(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        return x @ self.W_value
+
     def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
         queries, keys, values = x @ self.W_query, x @ self.W_key, x @ self.W_value
         if record is not None:
@@ -121,6 +124,9 @@ class SelfAttentionV2(Traceable):
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+
+    def _values(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        return self.W_value(x)
 
     def _project(self, x: torch.Tensor, record: AF.Record | None):
         queries, keys, values = self.W_query(x), self.W_key(x), self.W_value(x)
@@ -235,6 +241,9 @@ class MultiHeadAttention(Traceable):
         # (B, T, d_out) -> (B, T, H, head_dim) -> (B, H, T, head_dim): cut features, not tokens
         return linear(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
 
+    def _values(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        return self._heads(x, self.W_value)
+
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         unbatched = x.dim() == 2
         if unbatched:
@@ -254,5 +263,6 @@ class MultiHeadAttention(Traceable):
         if record is not None:
             record.update(queries=q, keys=k, values=v)
         context = self._attend(q, k, v, record, causal=self.causal, dropout=self.dropout)
+        del v  # a row trace makes the values again when read: not held beside the output
         out = self.out_proj(AF.merge_heads(context))  # (B, T, d_out)
         return self._output(out, record, unbatched)

@@ -11,7 +11,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -23,7 +23,16 @@ from .display import RenderedFigures
 from .errors import AttnScopeError, check_embeddings, check_labels, check_token_index, describe
 from .stages import Dims, Stage
 
-__all__ = ["Trace", "Traceable", "QueryWalk", "RowRecord", "ShapeCheck", "row_stages", "trace"]
+__all__ = [
+    "QueryWalk",
+    "RowRecord",
+    "ShapeCheck",
+    "StageMap",
+    "Trace",
+    "Traceable",
+    "row_stages",
+    "trace",
+]
 
 
 class Traceable(nn.Module):
@@ -63,6 +72,12 @@ class Traceable(nn.Module):
         return self._check(x), None
 
     def _pipeline(self, x: torch.Tensor, record: AF.Record | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _values(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``values`` stage alone, as :meth:`_pipeline` records it for a batched ``x``:
+        what a row trace makes again when it is read instead of holding it (a module without
+        this method has its values held)."""
         raise NotImplementedError
 
     def _attend(
@@ -299,6 +314,9 @@ class RowRecord(dict):
         #: what the scores were made of and how (queries, keys, causal, window, slopes,
         #: scale): a pooled picture of the whole matrix is computed again from them
         self.core: dict | None = None
+        #: True: once every query's context is made, the values are let go (the trace makes
+        #: them again when read, see :class:`StageMap`); set where the module can
+        self.remake_values = False
 
     def simplified(self, x: torch.Tensor) -> None:
         """Weightless attention's row trace: the tokens are queries, keys and values, and
@@ -316,10 +334,90 @@ class RowRecord(dict):
             context, self.summary = AF.attention_summary(queries, keys, values, k=self.k, **options)
         else:
             context = AF.blocked_attention(queries, keys, values, **options)
-            self.deferred = {"values": values, "k": self.k, "block": self.block}
+            self.deferred = {"k": self.k, "block": self.block}
         self[Stage.CONTEXT.value] = context
         self.core = {"queries": queries, "keys": keys, **core}
+        if self.remake_values:
+            # the largest stage no later one needs: at 65,536 tokens and d 768, 192 MiB the
+            # output projection then runs without
+            self.pop(Stage.VALUES.value, None)
         return context
+
+
+class StageMap(Mapping[str, torch.Tensor]):
+    """Stage name -> tensor, in pipeline order: a mapping whose entries are held, or, for a
+    row trace's ``values``, made again on first read.
+
+    A row trace of a long input holds every whole stage; the values are the one no later
+    stage or picture needs, so it lets them go once every context is made (at 65,536 tokens
+    and d 768, 192 MiB) and keeps the recipe: the module's value projection of the traced
+    input, run again in eval mode, the same computation on the same numbers. If the
+    module's parameters or the input were changed in place (or replaced) since, reading
+    them raises instead of returning other values.
+    """
+
+    def __init__(
+        self,
+        held: dict[str, torch.Tensor],
+        order: Sequence[str] | None = None,
+        remade: dict[str, Callable[[], torch.Tensor]] | None = None,
+    ):
+        self._held, self._remade = dict(held), dict(remade or {})
+        self._order = tuple(order) if order is not None else tuple(held)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._remade:
+            self._held[name] = self._remade.pop(name)()
+        return self._held[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._held or name in self._remade
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def is_held(self, name: str) -> bool:
+        """Whether ``name`` is in memory now (False: made again on first read)."""
+        return name in self._held
+
+    def __repr__(self) -> str:
+        shown = (n if self.is_held(n) else f"{n} (made when read)" for n in self._order)
+        return f"StageMap({', '.join(shown)})"
+
+
+def _remake_values(
+    module: Traceable, x: torch.Tensor, context: torch.Tensor | None, unbatched: bool
+) -> Callable[[], torch.Tensor]:
+    """The recipe of a row trace's ``values``: the module's value projection of ``x`` (its
+    ``context`` for cross-attention), refused if weights or inputs changed since."""
+    params = list(module.parameters())
+    versions = [p._version for p in params]
+    inputs = [t for t in (x, context) if t is not None]
+    input_versions = [t._version for t in inputs]
+
+    def remake() -> torch.Tensor:
+        now = list(module.parameters())
+        same = len(now) == len(params) and all(a is b for a, b in zip(now, params, strict=True))
+        if (
+            not same
+            or [p._version for p in now] != versions
+            or [t._version for t in inputs] != input_versions
+        ):
+            raise AttnScopeError(
+                "values: expected the module and input of this row trace unchanged (its "
+                "values are made again from them when first read), got weights or inputs "
+                "changed in place since; trace again"
+            )
+        modes = {m: m.training for m in module.modules()}
+        with torch.no_grad(), _eval_mode(modes):
+            batched = (x.unsqueeze(0), None if context is None else context.unsqueeze(0))
+            values = module._values(*batched) if unbatched else module._values(x, context)
+        return values.squeeze(0) if unbatched else values
+
+    return remake
 
 
 @dataclass
@@ -332,7 +430,8 @@ class Trace(RenderedFigures):
     Attributes:
         kind: one of :data:`attnscope.stages.KINDS`.
         inputs: ``(T, d_in)`` or ``(B, T, d_in)`` what was traced.
-        stages: stage name -> tensor, in pipeline order.
+        stages: stage name -> tensor, in pipeline order (a :class:`StageMap`; a row
+            trace's ``values`` are made again on first read, see there).
         dims: the sizes that predict every shape.
         labels: one label per token (defaults to ``"0"``, ``"1"``, ...).
         module: the traced module (``None`` for simplified attention).
@@ -342,7 +441,7 @@ class Trace(RenderedFigures):
 
     kind: str
     inputs: torch.Tensor
-    stages: dict[str, torch.Tensor]
+    stages: Mapping[str, torch.Tensor]
     dims: Dims
     labels: tuple[str, ...]
     module: nn.Module | None = None
@@ -359,10 +458,13 @@ class Trace(RenderedFigures):
         blockwise with the context; a full trace from its ``weights``."""
         if self._summary is None and self._deferred is not None:  # a row trace's, left for later
             core, more = dict(self._core), self._deferred
+            values = self.stages[Stage.VALUES.value] if "values" in self else core["keys"]
+            if self.dims.batch is None and values.dim() < core["keys"].dim():
+                values = values.unsqueeze(0)  # the core ran on a batch of one
             _, summary = AF.attention_summary(
                 core.pop("queries"),
                 core.pop("keys"),
-                more["values"],
+                values,
                 k=more["k"],
                 block=more["block"],
                 **core,
@@ -523,6 +625,8 @@ def trace(
             )
         tokens = check_embeddings(x).shape[-2]
         record = RowRecord(AF.check_rows(rows, tokens), k=k, block=block, summary=summary)
+        remakes = isinstance(target, Traceable) and type(target)._values is not Traceable._values
+        record.remake_values = remakes
     modes = {m: m.training for m in target.modules()} if isinstance(target, nn.Module) else {}
     with torch.no_grad(), _eval_mode(modes):
         if isinstance(target, str):
@@ -561,7 +665,11 @@ def trace(
     )
     # The kind's stages, and what a modern layer adds (norms, rotations, a bias), in order.
     order = [s.value for s in Stage if s.value in record]
-    stages = {name: record[name] for name in order}
+    remade = {}
+    if isinstance(record, RowRecord) and record.remake_values and "values" not in record:
+        remade = {"values": _remake_values(target, x, context, unbatched=x.dim() == 2)}
+        order = [s.value for s in Stage if s.value in record or s.value in remade]
+    stages = StageMap({name: record[name] for name in order if name in record}, order, remade)
     labels = tuple(str(i) for i in range(dims.tokens)) if labels is None else labels
     tr = Trace(kind, x, stages, dims, check_labels(labels, dims.tokens), module)
     if isinstance(record, RowRecord):

@@ -43,7 +43,7 @@ def walk(
     tr = trace_rows(ca, x, labels, rows)
     steps = [
         _masked_scores(tr, s),
-        _masked_weights(tr),
+        _masked_weights(ca, tr, x),
         _output(ca, tr, x, t, is_book),
         _dropout(x.shape[-2], s, rows),
     ]
@@ -72,15 +72,30 @@ def _masked_scores(tr: Trace, seed: int) -> Step:
     )
 
 
-def _masked_weights(tr: Trace) -> Step:
+def _masked_weights(ca: CausalAttention, tr: Trace, x: torch.Tensor) -> Step:
+    weights = tr["weights"]
+    if tr.rows is None or 0 in tr.rows:
+        first, where = weights[tr.row_index(0)], "row 0 of the weights"
+    else:  # a long input's row trace does not keep token 0: its row computed alone
+        first, where = row_stages(ca, x, [0])["weights"][0], "row 0, computed alone"
+    alone = torch.zeros_like(first)
+    alone[0] = 1.0
     return Step(
         PART,
         "Weights: softmax over the visible keys",
         "Predict: zeros above the diagonal, each row still sums to 1; the first token "
         "can only attend to itself (weight 1).",
         shapes(tr, ("weights",)),
-        [show("weights", tr["weights"], tr, square=True)],
-        [rows_are_distributions(tr["weights"], tr["masked_scores"], causal=True, rows=tr.rows)],
+        [show("weights", weights, tr, square=True)],
+        [
+            rows_are_distributions(weights, tr["masked_scores"], causal=True, rows=tr.rows),
+            Check(
+                "the first token attends to itself alone (weight 1 on key 0)",
+                bool(torch.equal(first, alone)),
+                f"{where}: key 0 weight {float(first[0]):.4f}, the other "
+                f"{first.numel() - 1:,} sum to {float(first[1:].sum()):.4f}",
+            ),
+        ],
     )
 
 
