@@ -71,6 +71,52 @@ def test_a_bug_in_one_layer_that_is_not_the_first_is_named_with_its_layer():
     assert "first failing layer: trf_blocks.1.att" in text and "wrong_projection" in text
 
 
+def _explicit(softmax_dim: int = -1):
+    """The book's MultiHeadAttention forward written out, its softmax over ``softmax_dim``."""
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.W_query(x), self.W_key(x), self.W_value(x)
+        q, k, v = (t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        s = (q @ k.transpose(2, 3)).masked_fill(self.mask.bool()[:n, :n], -torch.inf)
+        w = torch.softmax(s / k.shape[-1] ** 0.5, dim=softmax_dim)
+        return self.out_proj((w @ v).transpose(1, 2).reshape(b, n, self.d_out))
+
+    return forward
+
+
+def _fused(self, x):
+    """The same layer with the core in one scaled_dot_product_attention call."""
+    b, n, _ = x.shape
+    q, k, v = self.W_query(x), self.W_key(x), self.W_value(x)
+    q, k, v = (t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+    ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.out_proj(ctx.transpose(1, 2).reshape(b, n, self.d_out))
+
+
+@pytest.mark.parametrize("slip", [False, True])
+def test_explicit_layers_after_a_fused_one_are_found(slip):
+    """Layer 0 calls scaled_dot_product_attention, layers 1 and 2 spell the products out:
+    every layer is found (a fused call's output is a context, from which the next layer's
+    scores are made), and a softmax over the queries in layer 2 is named there, never
+    passed over as a model with one layer fewer."""
+    model = _book_gpt()
+    forwards = [_fused, _explicit(), _explicit(-2 if slip else -1)]
+    for block, forward in zip(model.trf_blocks, forwards, strict=True):
+        block.att.forward = types.MethodType(forward, block.att)
+    report = check(lambda: model)
+    assert [p for p, _ in report.layers] == [f"trf_blocks.{i}.att" for i in range(3)]
+    if not slip:
+        assert report.ok, report.to_text(color=False)
+    else:
+        failure = report.first_failure
+        assert (report.first_layer, failure.stage.value, failure.mistake) == (
+            "trf_blocks.2.att",
+            "weights",
+            "softmax_wrong_dim",
+        )
+
+
 def test_the_model_report_follows_the_contract(report_schema):
     data = check(_book_gpt_with_a_bug_in_layer_1).to_dict()
     jsonschema.validate(data, report_schema)
@@ -101,15 +147,15 @@ def test_hugging_face_models_from_configs(config, model, kv):
     assert all(r.structure["kv_heads"] == kv for _, r in report.layers)
 
 
-def test_hugging_face_bert_is_checked_as_bidirectional():
-    cfg = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=64,
-    )
-    report = check(lambda: transformers.BertModel(cfg))
+@pytest.mark.parametrize("name", ["Bert", "DistilBert"])
+def test_hugging_face_encoders_are_checked_as_bidirectional(name):
+    if name == "Bert":
+        sizes = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2)
+        sizes |= dict(intermediate_size=64)
+    else:  # its layers take the hidden states three times: query=, key=, value=
+        sizes = dict(dim=32, n_heads=4, n_layers=2, hidden_dim=64)
+    cfg = getattr(transformers, f"{name}Config")(vocab_size=100, **sizes)
+    report = check(lambda: getattr(transformers, f"{name}Model")(cfg))
     assert report.ok, report.to_text(color=False)
     assert all(r.kind == "multihead" for _, r in report.layers)
 

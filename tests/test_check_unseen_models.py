@@ -12,12 +12,7 @@ from attnscope import ModelReport, check
 
 #: the first run left these open: each is a strict expected failure, so that the day it is
 #: fixed the test says so and leaves the list
-_OPEN = {
-    "13_nanogpt_probe_layer_softmax_dim": "a layer whose softmax runs over the queries is not "
-    "found as attention, so the model passes without it",
-    "14_distilbert_packed_heads_split": "a layer whose heads are split wrongly is not found "
-    "as attention, and the model is refused",
-}
+_OPEN: dict[str, str] = {}
 
 
 def _cases():

@@ -617,18 +617,22 @@ class ModuleProbe:
         if isinstance(got, str):
             raise AttnScopeError(f"{self.tgt.text}: the model raised before the layer: {got}")
         args, kwargs = got
+        given = [*enumerate(args), *kwargs.items()]
         seen = [
             (i, a)
-            for i, a in [*enumerate(args), *kwargs.items()]
+            for i, a in given
             if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2
         ][:1]
         if not seen:
             raise AttnScopeError(
                 f"{self.tgt.text}: the model did not call this layer with hidden states"
             )
-        where, value = seen[0]
+        value = seen[0][1]
+        # the hidden states wherever the model hands the same tensor again (DistilBERT's
+        # attention(query=x, key=x, value=x)): the probe enters at every one of them
+        where = [i for i, a in given if a is value]
         lead = tuple(value.shape[:-1])
-        self.entry = _Entry(self.module, self.host.path, [where], lead == (tokens, BATCH))
+        self.entry = _Entry(self.module, self.host.path, where, lead == (tokens, BATCH))
         x = torch.randn(BATCH, tokens, value.shape[-1], generator=self.discovery_gen)
         rec = self._recorder(x)
         with rec:
@@ -729,7 +733,7 @@ class ModuleProbe:
         tensor from the model's own ``build_alibi_tensor`` (BLOOM), a zero residual for a
         layer that adds its own (its output is then the attention's)."""
         out: dict = {}
-        module = sys.modules[type(self.module).__module__]
+        module = sys.modules.get(type(self.module).__module__)
         b, n = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
         if "alibi" in required and hasattr(module, "build_alibi_tensor"):
             heads = getattr(self.module, "num_heads", None)

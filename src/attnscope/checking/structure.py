@@ -234,7 +234,10 @@ class _Reader:
                 core = _fused_sdpa(op)
                 if core is not None:
                     cores.append(core)
-                after_score[i] = after_context[i] = True
+                # a context, as the explicit product's below: a next layer's scores may be
+                # made from it (a fused layer before an explicit one)
+                after_context[i] = True
+                after_score[i] = core is None
                 continue
             proj = read_projection(g, op)
             if proj is None:
