@@ -603,9 +603,9 @@ def _layer_operands(rec: Recorder, model: nn.Module, path: str):
     """The keys and values (as the computation used them) of the first attention core run
     inside the module ``path``, the lines that made the keys, masked the scores and made
     the queries, and the queries; None if none is found."""
-    from .structure import _Reader
+    from .structure import attention_cores
 
-    cores = _Reader(rec, model)._scan()[0]
+    cores = attention_cores(rec, model)
     spans = [c for c in rec.modules if c.path == path]
     for core in cores:
         op = core.fused or core.score

@@ -41,6 +41,7 @@ from .record import ModuleCall, Op, Recorder, tensors_in
 
 __all__ = [
     "SeveralLayers",
+    "attention_cores",
     "attention_layers",
     "Core",
     "Structure",
@@ -162,6 +163,12 @@ class SeveralLayers(AttnScopeError):
 def attention_layers(rec: Recorder, root: nn.Module) -> list[str]:
     """The module paths of the attention layers a recorded call of a model ran, in order."""
     return _Reader(rec, root).layers()
+
+
+def attention_cores(rec: Recorder, root: nn.Module) -> list[Core]:
+    """Every attention core (scores and context products, or a fused call) of a recorded
+    call, in run order, with the nodes of its queries, keys and values."""
+    return _Reader(rec, root)._scan()[0]
 
 
 def read_structure(rec: Recorder, root: nn.Module) -> Structure:
