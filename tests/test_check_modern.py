@@ -212,6 +212,9 @@ OWN = {
     "mqa": dict(num_kv_heads=1),
     "interleaved": dict(num_kv_heads=2, rope_pairing="interleaved"),
     "partial": dict(rope_fraction=0.5, rope_base=500_000.0),
+    # base 1e8: the last pairs turn 1e-7 a position and pass for unrotated features
+    "slow-base": dict(d_out=64, num_kv_heads=2, rope_base=1e8),
+    "slow-base-interleaved": dict(d_out=64, rope_base=1e8, rope_pairing="interleaved"),
     "qk-norm-full": dict(num_kv_heads=2, qk_norm="full"),
     "alibi-bidirectional": dict(alibi=True, causal=False),
     "cross": dict(cross=True, num_kv_heads=2),
@@ -221,8 +224,8 @@ OWN = {
 @pytest.mark.parametrize("name", OWN)
 def test_every_variant_of_attnscopes_own_layer_passes_with_its_structure(name):
     """The library's modern layer and the checker agree: each variant passes, read as built."""
-    kw = OWN[name]
-    layer = GroupedQueryAttention(32, 32, 4, **kw)
+    kw = dict(OWN[name])
+    layer = GroupedQueryAttention(32, kw.pop("d_out", 32), 4, **kw)
     if layer.qk_norm:
         with torch.no_grad():
             layer.q_norm.weight.uniform_(0.5, 1.5)
@@ -238,6 +241,7 @@ def test_every_variant_of_attnscopes_own_layer_passes_with_its_structure(name):
     if layer.rope:
         assert s["rope"]["pairing"] == layer.rope_pairing
         assert s["rope"]["fraction"] == layer.rope_fraction
+        assert s["rope"]["base"] == pytest.approx(layer.rope_base, rel=1e-2)
 
 
 def test_hf_gemma2_attention_scales_by_its_query_pre_attn_scalar():

@@ -25,6 +25,7 @@ __all__ = ["Rope", "Tables", "fit_tables", "read_rope", "as_heads", "pair_rotate
 
 T = torch.Tensor
 _FIT = 1e-5  # relative residual of an exact fit (float32 code against a float64 reference)
+_SLOW = 1e-5  # radians a position: frequencies below are read to about this, absolutely
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,10 @@ class Rope:
         ws = [v * v for v in f]  # a fast pair's angle is read far more precisely
 
         def fits(intercept: float, slope: float) -> bool:
+            # a pair that turns by less than _SLOW a position (base 1e8's last ones: 1e-7)
+            # is read from float32 products no better than that
             return slope < 0 and all(
-                math.isclose(v, math.exp(intercept + slope * x), rel_tol=3e-2)
+                math.isclose(v, math.exp(intercept + slope * x), rel_tol=3e-2, abs_tol=_SLOW)
                 for x, v in zip(xs, f, strict=True)
             )
 
@@ -282,10 +285,24 @@ def fit_tables(p: T, u: T) -> Tables | None:
             break
         rot -= 2
     fits = []
-    for pairing in ("half", "interleaved"):
-        cos, sin, resid = _solve(p[..., :rot], pair_rotate(p[..., :rot], pairing), u[..., :rot])
-        if resid <= 1e-4:
-            fits.append(Tables(pairing, rot, cos, sin, 1.0))
+    # A partial rotation passes its last features through exactly. Where they moved at all,
+    # the whole head is tried first: with a large base (1e8) the last pairs turn so slowly
+    # (1e-7 a position) that they pass for unrotated, and fitting the first features alone
+    # reads a partial rotation (interleaved pairs) or pairs them wrong (halves).
+    widths = (rot, d)
+    if rot < d:
+        moved = (u[..., rot:] - tail * p[..., rot:]).abs().amax().item()
+        if moved > 1e-6 * max(big, 1e-12):
+            widths = (d, rot)
+    for width in dict.fromkeys(widths):
+        for pairing in ("half", "interleaved"):
+            x, xr, y = p[..., :width], pair_rotate(p[..., :width], pairing), u[..., :width]
+            cos, sin, resid = _solve(x, xr, y)
+            if resid <= 1e-4:
+                fits.append(Tables(pairing, width, cos, sin, 1.0))
+        if fits:
+            rot = width
+            break
     if not fits and p.shape[0] > 2:
         fits = _per_sequence(p, u, rot)
     if not fits:
