@@ -12,16 +12,31 @@ from attnscope import ModelReport, check
 
 #: the first run left these open: each is a strict expected failure, so that the day it is
 #: fixed the test says so and leaves the list
-_OPEN: dict[str, str] = {}
+_OPEN: dict[str, str | tuple[str, str]] = {
+    # m2's first run (commit 78e1af4)
+    "06_nanochat_kvcache_ok": "a correct cache reported as cache_other (no layer): a false "
+    "alarm of the decoding check",
+    "10_llmfoundry_mpt_block_override_bias_missing": "an ALiBi bias left out in one layer passes",
+    "14_litgpt_kvcache_index_copy_stale": "a cache never written read as cache_other, not "
+    "cache_stale",
+    "17_hf_codegen_mp_qkv_cache_mask": "CodeGen's rotation fit refuses",
+    "18_qwen1_layer_past_seq_axis_positions": (
+        "inferred",
+        "the rotation fit refuses with the kind inferred: decoding not judged",
+    ),
+}
 
 
 def _cases():
     out = []
     for path, expect in expectations(ROOT / "tests" / "unseen_models"):
-        marks = []
-        if path.stem in _OPEN:
-            marks.append(pytest.mark.xfail(reason=_OPEN[path.stem], strict=True))
-        out.append(pytest.param(path, expect, id=path.stem, marks=marks))
+        for infer in (False, True):
+            reason = _OPEN.get(path.stem)
+            if isinstance(reason, tuple):  # ("inferred", why): a miss only when inferred
+                reason = reason[1] if infer else None
+            marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+            which = "kind-inferred" if infer else "kind-given"
+            out.append(pytest.param(path, expect, infer, id=f"{path.stem}-{which}", marks=marks))
     return out
 
 
@@ -32,8 +47,7 @@ def _wanted(expect: dict) -> dict:
     return want
 
 
-@pytest.mark.parametrize("infer", [False, True], ids=["kind-given", "kind-inferred"])
-@pytest.mark.parametrize(("path", "expect"), _cases())
+@pytest.mark.parametrize(("path", "expect", "infer"), _cases())
 def test_unseen_model(path, expect, infer):
     report = check(target_of(path, expect), kind=None if infer else expect["kind"])
     assert isinstance(report, ModelReport)
