@@ -239,6 +239,29 @@ def test_a_cache_class_on_the_model_is_used():
     assert report.decode.ok and made and set(made) == {2}
 
 
+class AsksItsPosition(TinyGPT):
+    """Reads the position from the cache it is given (``cache.get_pos()``, nanochat's
+    interface), and its module names no cache class."""
+
+    def forward(self, ids, use_cache=False, cache=None):
+        if cache is not None:
+            self.current_pos = cache.get_pos()
+        return super().forward(ids, use_cache=use_cache, cache=cache)
+
+
+def test_a_cache_of_another_interface_than_the_stand_in_is_refused_not_judged():
+    """attnscope's stand-in KVCache has get/update; a model that asks its cache for more
+    expects another one: exit 2 naming the call, not the model's mistake cache_other."""
+
+    def make():
+        torch.manual_seed(0)
+        return AsksItsPosition()
+
+    with pytest.raises(AttnScopeError, match=r"cache\.get_pos.*--decode none"):
+        check(make)
+    assert check(make, decode="none").ok
+
+
 def test_a_hugging_face_model_returning_a_tuple_decodes():
     """return_dict=False: (logits, cache) instead of an output object."""
     transformers = _transformers()

@@ -117,6 +117,42 @@ def test_explicit_layers_after_a_fused_one_are_found(slip):
         )
 
 
+@pytest.mark.parametrize("dropped", [False, True])
+def test_an_alibi_bias_the_model_hands_a_layer_that_ignores_it_is_bias_missing(dropped):
+    """Hugging Face MPT builds ALiBi once and hands it to every layer (``position_bias``,
+    a bias of the key alone): a layer that does not add it is named ``bias_missing``,
+    not passed as a layer without a bias; the model as built passes."""
+
+    def make():
+        torch.manual_seed(0)
+        cfg = transformers.MptConfig(
+            vocab_size=100, d_model=32, n_heads=4, n_layers=3, expansion_ratio=2, max_seq_len=64
+        )
+        model = transformers.MptModel(cfg).eval()
+        if dropped:
+            att = model.blocks[1].attn
+            forward = att.forward
+
+            def without_bias(self, hidden_states, position_bias, *args, **kwargs):
+                return forward(hidden_states, torch.zeros_like(position_bias), *args, **kwargs)
+
+            att.forward = types.MethodType(without_bias, att)
+        return model
+
+    report = check(make)
+    assert [p for p, _ in report.layers] == [f"blocks.{i}.attn" for i in range(3)]
+    if not dropped:
+        assert report.ok, report.to_text(color=False)
+        assert all(r.structure["bias"] == "alibi" for _, r in report.layers)
+        return
+    failure = report.first_failure
+    assert (report.first_layer, failure.stage.value, failure.mistake) == (
+        "blocks.1.attn",
+        "biased_scores",
+        "bias_missing",
+    )
+
+
 def test_the_model_report_follows_the_contract(report_schema):
     data = check(_book_gpt_with_a_bug_in_layer_1).to_dict()
     jsonschema.validate(data, report_schema)

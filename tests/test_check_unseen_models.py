@@ -14,11 +14,6 @@ from attnscope import ModelReport, check
 #: fixed the test says so and leaves the list
 _OPEN: dict[str, str | tuple[str, str]] = {
     # m2's first run (commit 78e1af4)
-    "06_nanochat_kvcache_ok": "a correct cache reported as cache_other (no layer): a false "
-    "alarm of the decoding check",
-    "10_llmfoundry_mpt_block_override_bias_missing": "an ALiBi bias left out in one layer passes",
-    "14_litgpt_kvcache_index_copy_stale": "a cache never written read as cache_other, not "
-    "cache_stale",
     "17_hf_codegen_mp_qkv_cache_mask": "CodeGen's rotation fit refuses",
     "18_qwen1_layer_past_seq_axis_positions": (
         "inferred",

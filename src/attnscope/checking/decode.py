@@ -276,12 +276,12 @@ def _returned_cache(out):
     return None
 
 
-def _cache_like(obj) -> bool:
-    """A class with ``get`` and ``update`` made from a layer count alone."""
+def _cache_like(obj, methods: tuple[str, ...] = ("get", "update")) -> bool:
+    """A class with ``methods`` made from a layer count alone."""
     if (
         not isinstance(obj, type)
         or issubclass(obj, (Mapping, nn.Module))
-        or not all(callable(getattr(obj, m, None)) for m in ("get", "update"))
+        or not all(callable(getattr(obj, m, None)) for m in methods)
     ):
         return False
     try:
@@ -298,15 +298,19 @@ def _cache_like(obj) -> bool:
 
 def _cache_class(model: nn.Module) -> type | None:
     """The KVCache class the model comes with: one on the model's class, or one its module
-    defines or imports (a class named for a cache, with ``get`` and ``update``, made from a
-    layer count alone). Nothing is imported to find it."""
+    defines or imports (a class named for a cache, made from a layer count alone; one with
+    the book's ``get`` and ``update`` first, else one the module itself defines, whatever
+    its methods: nanochat's ``insert_kv`` and ``get_pos``). Nothing is imported to find it."""
     for name in dir(type(model)):
         if "cache" in name.lower() and _cache_like(getattr(type(model), name, None)):
             return getattr(type(model), name)
     module = sys.modules.get(type(model).__module__)
     names = dict(vars(module)) if module is not None else {}
     names.update(getattr(type(model).forward, "__globals__", {}))
-    found = [v for v in names.values() if _cache_like(v) and "cache" in v.__name__.lower()]
+    named = [v for v in names.values() if isinstance(v, type) and "cache" in v.__name__.lower()]
+    found = [v for v in named if _cache_like(v)]
+    # a cache class of the model's own code (not one it imports) is its cache, with any API
+    found += [v for v in named if _cache_like(v, ()) and v.__module__ == type(model).__module__]
     return found[0] if found else None
 
 
@@ -448,6 +452,20 @@ def _rotary(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
 
+def _not_our_cache(drive: _Driver, exc: BaseException) -> None:
+    """Raise (exit 2) where the model asked attnscope's stand-in :class:`KVCache` for what
+    it does not have: the model expects a cache of another interface, which is no mistake
+    of the model's."""
+    ours = drive._cache
+    if isinstance(ours, KVCache) and isinstance(exc, AttributeError) and exc.obj is ours:
+        raise AttnScopeError(
+            f"--decode cache: expected the model to use a cache with get/update (the book's "
+            f"KVCache; it names no cache class of its own), got a model that calls "
+            f"cache.{exc.name} ({_raised_at(exc) or 'in its forward'}): check it with "
+            "--decode none, or give it its cache class in its module"
+        ) from None
+
+
 def check_decoding(
     model: nn.Module,
     layers: list[tuple[str, nn.Module]],
@@ -481,6 +499,7 @@ def check_decoding(
         try:
             drive.start(ids[:, :PROMPT])
         except Exception as exc:  # noqa: BLE001  (the model's own error, reported)
+            _not_our_cache(drive, exc)
             where = _raised_at(exc)
             return Decode(
                 False,
@@ -498,6 +517,7 @@ def check_decoding(
                 try:
                     out = _output(drive.step(ids[:, pos : pos + 1])).double()
                 except Exception as exc:  # noqa: BLE001
+                    _not_our_cache(drive, exc)
                     return Decode(
                         False,
                         STEPS,

@@ -633,6 +633,15 @@ class ModuleProbe:
         where = [i for i, a in given if a is value]
         lead = tuple(value.shape[:-1])
         self.entry = _Entry(self.module, self.host.path, where, lead == (tokens, BATCH))
+        # what else the model hands it (a mask, a position bias), as handed
+        self.entry.extras = {
+            i: a.detach().clone()
+            for i, a in given
+            if i not in where
+            and isinstance(a, torch.Tensor)
+            and a.is_floating_point()
+            and a.dim() >= 2
+        }
         x = torch.randn(BATCH, tokens, value.shape[-1], generator=self.discovery_gen)
         rec = self._recorder(x)
         with rec:
@@ -881,7 +890,7 @@ class ModuleProbe:
             return None, "a layer inside a wrapper is probed with batched input only"
         sub = e.enter(x32)
         if self.host is not None:  # a model's layer: called on what the model hands it
-            return self._invoke_in_model(sub, *x32.shape[:2])
+            return self._invoke_in_model(sub, *x32.shape[:2], change)
 
         def swap(mod, args, kwargs):
             args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
@@ -914,9 +923,10 @@ class ModuleProbe:
                 h.remove()
         return None, err or f"{e.path!r} was not called"
 
-    def _invoke_in_model(self, sub: torch.Tensor, b: int, n: int):
+    def _invoke_in_model(self, sub: torch.Tensor, b: int, n: int, change=None):
         """Call a model's layer on the arguments the model hands it for this size (captured
-        once, on one run of the whole model), its hidden states swapped for ``sub``."""
+        once, on one run of the whole model), its hidden states swapped for ``sub`` (and
+        ``change``, as :meth:`_invoke_layer`'s)."""
         e = self.entry
         got = self.host.arguments(e.module, b, n)
         if isinstance(got, str):
@@ -924,6 +934,10 @@ class ModuleProbe:
         args, kwargs = got
         args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
         kwargs = {k: sub if k in e.positions else v for k, v in kwargs.items()}
+        if change is not None:
+            key, fn = change
+            args = tuple(fn(a) if i == key else a for i, a in enumerate(args))
+            kwargs = {k: fn(v) if k == key else v for k, v in kwargs.items()}
         result, err = call_safely(e.module, *args, timeout=self.timeout, **kwargs)
         if err is not None:
             return None, err
@@ -1180,15 +1194,18 @@ class ModuleProbe:
         only where, per head, its finite part is ``slope_h * (j - i)`` plus a constant per
         query, with slopes of one sign and no two heads alike."""
         e = self.entry
-        if e is None or not e.extras or self.host is not None:
+        if e is None or not e.extras:
             return None
         if "handed" in self._cache:
             return self._cache["handed"]
         self._cache["handed"] = None
         for key, t in e.extras.items():
-            if t.shape[-1] != t.shape[-2] or t.numel() % (heads * t.shape[-1] ** 2):
-                continue
             m = t.shape[-1]
+            if t.shape[-2] not in (1, m):
+                continue
+            t = t.expand(*t.shape[:-2], m, m)  # a bias of the key alone (MPT's): every query
+            if t.numel() % (heads * m * m):
+                continue
             shape = (t.numel() // (heads * m * m), heads, m, m)
             slopes = read_slopes(t.reshape(shape), shape, heads)
             if slopes is None or not _alibi_like(t.reshape(shape), slopes):
