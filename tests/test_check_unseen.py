@@ -15,13 +15,6 @@ from attnscope import AttnScopeError, ModelReport, check
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
-    "r8/b06_maxtext_port_key_positions": "rotation tables not read in this layout (refused)",
-    "r8/b21_gptfast_complex_scores_no_conj": "complex scores without the conjugate: the "
-    "rotation fit refuses before the scores are judged",
-    "r8/c05_codegen_mp_interleaved": "CodeGen's [q | v | k] model-parallel chunks: the "
-    "rotation fit refuses",
-    "r8/c22_flax_port_fullwidth_ln": "a kv-major grouped einsum after a full-width norm: the "
-    "rotation fit refuses",
     "r8/r03_gptfast_requires_kv_cache": "refused, but naming its rotation, not the cache its "
     "forward requires",
     "r8/b23_modernbert_window_not_halved": "a bidirectional local window is not read",

@@ -66,6 +66,10 @@ class Structure:
     widths: dict[str, int] = field(default_factory=dict)
     #: the line where the scores go through a tanh (logit soft-capping, Gemma 2)
     softcap: str | None = None
+    #: one combined projection: the columns each role ("q", "k", "v") reads, heads in
+    #: order, as the computation's own cuts (reshapes, splits, slices) take them; None where
+    #: they could not be traced to whole heads of one partition of its output
+    cuts: dict[str, T] | None = None
 
     @property
     def weightless(self) -> bool:
