@@ -70,6 +70,9 @@ class Structure:
     #: order, as the computation's own cuts (reshapes, splits, slices) take them; None where
     #: they could not be traced to whole heads of one partition of its output
     cuts: dict[str, T] | None = None
+    #: (what, line) where the keys and values are written into a cache the scores read
+    #: whole, more keys than the sequence has (a KV cache the forward requires)
+    cache: tuple[str, str | None] | None = None
 
     @property
     def weightless(self) -> bool:

@@ -1438,6 +1438,8 @@ class ModuleProbe:
                 kept.append((w, dataclasses.replace(spec, rope=rope, qk_norm=norm)))
         if not kept:
             what, where = next(iter({**st.qk_norm, **st.rotary}.values()))
+            if st.cache is not None:  # the keys are a cache's, not the sequence's: why
+                what, where = st.cache
             raise Unsupported(f"not supported yet: {what}" + (f" at {where}" if where else ""))
         spec = kept[0][1]
         if spec.rope is not None:
