@@ -15,9 +15,6 @@ from attnscope import AttnScopeError, ModelReport, check
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
-    "r8/b23_modernbert_window_not_halved": "a bidirectional local window is not read",
-    "r8/c06_modernbert_local": "a bidirectional local window is not read (structure window)",
-    "r8/c23_moshi_context_offset": "a streaming context window is not read (structure window)",
     "r8/b22_arcee_is_causal_false": (
         "inferred",
         "with the kind inferred a decoder without its "

@@ -232,6 +232,9 @@ class Features:
                 s.bias = BiasSeen(self._bias_seen, tuple(op.output.shape), op.location)
                 s.bias.before_scale = self._scaled_after(op, reach)
                 continue
+            if kind == "local":  # not causal: a window of keys on either side
+                s.window, s.local = (self.window_seen, op.location), f"{detail} at {op.location}"
+                continue
             if kind == "window":
                 s.window = (self.window_seen, op.location)
                 detail = f"a sliding-window mask ({detail})"
@@ -338,8 +341,9 @@ class Features:
             self.window_seen = d
             return ("window", f"each query sees {d} keys, itself included")
         if kind == "band":
+            self.window_seen = 2 * d + 1
             return (
-                "band",
+                "local",
                 f"a bidirectional sliding window (local attention: each query "
                 f"sees the keys within {d} positions on either side, {how})",
             )
@@ -381,6 +385,10 @@ class Features:
                 kind, detail = found
                 if kind == "band":
                     self._refuse(detail, op.location)
+                if kind == "local":  # not causal: a window of keys on either side
+                    self.s.window = (self.window_seen, op.location)
+                    self.s.local = f"{detail} at {op.location}"
+                    return
                 if kind == "window":
                     self.s.window = (self.window_seen, op.location)
                     detail = f"a sliding-window mask ({detail})"

@@ -58,6 +58,9 @@ class Structure:
     qk_norm: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     #: the sliding window its mask shows (keys a query sees, itself included), with its line
     window: tuple[int, str | None] | None = None
+    #: where ``window`` is a bidirectional local window (keys on either side, not causal):
+    #: what shows it, with its line
+    local: str | None = None
     #: cross-attention: the line where keys and values are projected from another sequence
     cross: str | None = None
     #: a position bias (ALiBi) added to the scores, as seen (see :class:`.features.BiasSeen`)

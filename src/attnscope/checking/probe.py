@@ -57,6 +57,7 @@ __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
 BATCH = 2
 _WEIGHTLESS_WIDTH = 5  # d_in for a module without weights (simplified attention)
 _ROPE_BATCH = 6  # sequences of the call a rotation is read from
+_WINDOW_PROBE = 40  # tokens of the call a sliding window wider than the probe is read from
 #: words in the name of a second input that is another sequence (not a mask or positions)
 _SEQUENCE_HINTS = (
     "encoder",
@@ -344,6 +345,8 @@ class ModuleProbe:
         self.gen = torch.Generator().manual_seed(seed)
         # discovery draws from its own generator: the judged probes do not depend on it
         self.discovery_gen = torch.Generator().manual_seed(seed + 1)
+        self._window_gen = torch.Generator().manual_seed(seed + 2)
+        self._discovered_batched = True
         self.entry: _Entry | None = None
         #: attention computed inline in a block (no module of its own): the submodule that
         #: makes its output (the output projection), where the attention's output is taken
@@ -371,6 +374,7 @@ class ModuleProbe:
             return self._run_weightless()
         st = self._discover()
         self.structure = st
+        self._look_for_window(st)
         if st.pre:
             what = ", ".join(dict.fromkeys(op.name for op in st.pre))
             self.notes.append(
@@ -465,6 +469,7 @@ class ModuleProbe:
                 except AttnScopeError as exc:
                     raise type(exc)(f"{self.tgt.text}: {exc}") from None
                 self._root_width = d
+                self._discovered_batched = x is batch
                 self.cross = st.cross is not None
                 self._context_width = d2 if d2 is not None else d
                 self._second_read = other is not None and any(
@@ -501,6 +506,35 @@ class ModuleProbe:
                 "block that supplies them. Every probe raised: " + "; ".join(errors[:2])
             )
         raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors[:3]))
+
+    def _look_for_window(self, st: Structure) -> None:
+        """A sliding window wider than the discovery probe hides nothing there: where none
+        is declared or seen, one longer call (its mask built by the layer or its model) is
+        read for one. What else that call shows is left to the probes that follow."""
+        if st.window is not None or self.host is not None or self.cross:
+            return
+        if self._declared_window() is not None or self._declared_local() is not None:
+            return
+        limit = self._context_limit()
+        n = _WINDOW_PROBE if limit is None else min(_WINDOW_PROBE, limit)
+        if n <= self._tokens(None) + 2:
+            return
+        x = torch.randn(BATCH, n, self._root_width, generator=self._window_gen)
+        if not self._discovered_batched:
+            x = x[0]
+        rec = self._recorder(x)
+        try:
+            with rec:
+                _, err = self._invoke_root(x)
+            long = None if err is not None else read_structure(rec, self.module)
+        except Exception:  # a longer input it does not take: no window read
+            return
+        if long is not None and long.window is not None and long.layer == st.layer:
+            st.window, st.local = long.window, long.local
+            self.notes.append(
+                f"a sliding window of {long.window[0]} keys read from a {n}-token call"
+                + (f" (its mask at {long.window[1]})" if long.window[1] else "")
+            )
 
     def _inherit_tokens_first(self) -> None:
         """A layer that says it takes ``(tokens, batch, d)`` (see :func:`_says_tokens_first`)
@@ -1109,7 +1143,8 @@ class ModuleProbe:
         limit = self._context_limit()
         # a declared window shorter than the probe, by more than one key: a window one key
         # too wide must not read as no window at all
-        window = self._declared_window()
+        # (or, with none declared, the one its mask shows)
+        window = self._declared_window() or self._declared_local() or self._seen()
         least = window + 3 if window is not None and window <= 32 else 2
         for n in (SIZES["tokens"], 5, 6, 11, 13, 9, 3, 17, 19, 4, 8, 23, 29, 31, 37):
             if n not in taken and n >= least and (limit is None or n <= limit):
@@ -1261,14 +1296,57 @@ class ModuleProbe:
 
     def _window(self) -> int | None:
         """The sliding window the reference holds the layer to: the one its (or its
-        model's) configuration declares, else the one its mask shows; causal kinds only."""
+        model's) configuration declares, else the one its mask shows. Causal kinds see
+        their last keys; the others (a bidirectional local window) the keys on either side.
+        """
+        st = self.structure
+        local = st is not None and st.local is not None
         if not self.kind.causal:
-            return None
+            declared = self._declared_local()
+            if declared is not None:
+                return declared
+            return st.window[0] if local else None
+        if local:  # keys on either side in a causal layer: not a window of its own
+            raise Unsupported(f"{self.tgt.text}: not supported yet: {st.local}")
         declared = self._declared_window()
         if declared is not None:
             return declared
+        return st.window[0] if st is not None and st.window is not None else None
+
+    def _seen(self) -> int | None:
         st = self.structure
         return st.window[0] if st is not None and st.window is not None else None
+
+    def _window_seen(self) -> int | None:
+        """The window the layer's mask shows (see :meth:`_window`)."""
+        st = self.structure
+        if st is None or st.window is None or (st.local is not None) == self.kind.causal:
+            return None
+        return st.window[0]
+
+    def _declared_local(self) -> int | None:
+        """A bidirectional local window its layer or configuration declares, as keys a query
+        sees (itself included): a ``(left, right)`` pair (ModernBERT's layers: ``(-1, -1)``
+        for a global one), or one width split evenly on both sides (ModernBERT's and
+        Longformer's configurations: ``w // 2`` keys on either side)."""
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in (
+            m,
+            getattr(m, "config", None),
+            self.module,
+            getattr(self.module, "config", None),
+        ):
+            for attr in ("local_attention", "attention_window"):
+                v = getattr(holder, attr, None)
+                if isinstance(v, (tuple, list)) and len(v) == 2:
+                    if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                        return None
+                    if min(v) < 0 or v[0] != v[1]:
+                        return None  # none (a global layer), or one of another shape
+                    return v[0] + v[1] + 1
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return 2 * (v // 2) + 1
+        return None
 
     def _declared_window(self) -> int | None:
         m = self.entry.module if self.entry is not None else self.module
@@ -1409,6 +1487,7 @@ class ModuleProbe:
                     b.has_out,
                     kv_heads=kv,
                     window=self._window(),
+                    window_seen=self._window_seen(),
                     alibi=self._alibi(h),
                     declared_scale=scale,
                     scale_source=source,
