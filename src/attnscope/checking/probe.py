@@ -1301,13 +1301,16 @@ class ModuleProbe:
         """
         st = self.structure
         local = st is not None and st.local is not None
+        if local and (self.kind.causal or self.kind.cross):
+            # keys on either side in a causal layer, or across two sequences: not modelled
+            raise Unsupported(f"{self.tgt.text}: not supported yet: {st.local}")
+        if self.kind.cross:
+            return None
         if not self.kind.causal:
             declared = self._declared_local()
             if declared is not None:
                 return declared
             return st.window[0] if local else None
-        if local:  # keys on either side in a causal layer: not a window of its own
-            raise Unsupported(f"{self.tgt.text}: not supported yet: {st.local}")
         declared = self._declared_window()
         if declared is not None:
             return declared
@@ -1338,7 +1341,7 @@ class ModuleProbe:
         ):
             for attr in ("local_attention", "attention_window"):
                 v = getattr(holder, attr, None)
-                if isinstance(v, (tuple, list)) and len(v) == 2:
+                if isinstance(v, tuple) and len(v) == 2:  # (a list is one width per layer)
                     if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
                         return None
                     if min(v) < 0 or v[0] != v[1]:
