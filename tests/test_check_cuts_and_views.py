@@ -74,10 +74,10 @@ class _ComplexScores(nn.Module):
     """Queries and keys as complex pairs, scores as the real part of their product: the dot
     product when one side is conjugated."""
 
-    def __init__(self, conj: bool, d=32, heads=4):
+    def __init__(self, conj: bool, einsum: bool = False, d=32, heads=4):
         super().__init__()
         torch.manual_seed(1)
-        self.conj, self.h, self.hd = conj, heads, d // heads
+        self.conj, self.einsum, self.h, self.hd = conj, einsum, heads, d // heads
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d, bias=False) for _ in range(4))
 
     def forward(self, x):
@@ -89,15 +89,20 @@ class _ComplexScores(nn.Module):
         q, k = (t * cos + _rotate_every_two(t) * sin for t in (q, k))
         qc = torch.view_as_complex(q.reshape(b, self.h, n, -1, 2).contiguous())
         kc = torch.view_as_complex(k.reshape(b, self.h, n, -1, 2).contiguous())
-        kc = kc.conj() if self.conj else kc
-        s = (qc @ kc.transpose(-1, -2)).real / math.sqrt(self.hd)
+        if self.einsum:  # the conjugate on the queries' side: the same dot product
+            qc = qc.conj() if self.conj else qc
+            s = torch.einsum("bhtd,bhsd->bhts", qc, kc).real / math.sqrt(self.hd)
+        else:
+            kc = kc.conj() if self.conj else kc
+            s = (qc @ kc.transpose(-1, -2)).real / math.sqrt(self.hd)
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         return self.wo((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
 
 
+@pytest.mark.parametrize("einsum", [False, True])
 @pytest.mark.parametrize("conj,want", [(True, ("ok",)), (False, ("scores", "not_dot_product"))])
-def test_complex_scores_are_read_through_the_tensors_they_view(conj, want):
-    report = check(lambda: _ComplexScores(conj), kind="causal-multihead")
+def test_complex_scores_are_read_through_the_tensors_they_view(conj, want, einsum):
+    report = check(lambda: _ComplexScores(conj, einsum), kind="causal-multihead")
     assert outcome(report) == want, report.to_text(color=False)
     assert report.structure["head_dim"] == 8
 

@@ -116,15 +116,17 @@ def _product_sides(g: Graph, op: Op) -> tuple[int, int, int] | None:
         sides = _einsum_sides(op)
         if sides is None or len(pairs) != 2:
             return None
-        return pairs[sides[0]][1], pairs[sides[1]][1], sides[2]
-    if len(pairs) == 1 and len(nodes) >= 2 and nodes.count(pairs[0][1]) >= 2:
-        pairs = [pairs[0], pairs[0]]  # x @ x.T written on one tensor
-    if len(pairs) != 2:
-        return None
-    (ta, na), (tb, nb) = pairs
-    if op.name == "__rmatmul__":
-        (ta, na), (tb, nb) = (tb, nb), (ta, na)
-    size = ta.shape[-1] if ta.dim() else 1
+        (ta, na), (tb, nb) = pairs[sides[0]], pairs[sides[1]]
+        size = sides[2]
+    else:
+        if len(pairs) == 1 and len(nodes) >= 2 and nodes.count(pairs[0][1]) >= 2:
+            pairs = [pairs[0], pairs[0]]  # x @ x.T written on one tensor
+        if len(pairs) != 2:
+            return None
+        (ta, na), (tb, nb) = pairs
+        if op.name == "__rmatmul__":
+            (ta, na), (tb, nb) = (tb, nb), (ta, na)
+        size = ta.shape[-1] if ta.dim() else 1
     if ta.is_complex() or tb.is_complex():
         # complex operands (pairs of features viewed as complex numbers): the real tensors
         # they view are the operands, each complex entry two features; whether the product
