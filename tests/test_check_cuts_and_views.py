@@ -1,6 +1,7 @@
 """Layouts read from what the computation does (round 8): a combined projection cut into
 model-parallel chunks, complex scores, grouped heads on two axes, a KV cache read whole,
-and a causal window wider than the first probe."""
+a causal window wider than the first probe, and a model that masks the future only when
+handed a padding mask."""
 
 from __future__ import annotations
 
@@ -203,3 +204,49 @@ def test_a_causal_window_wider_than_the_probe_is_read_from_a_longer_call():
     assert report.ok, report.to_text(color=False)
     assert report.kind == "causal-multihead"
     assert report.structure["window"] == 12
+
+
+class _MaskTaker(nn.Module):
+    """Attention that applies the mask it is handed and asks for none of its own."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(y.transpose(1, 2).reshape(b, n, d))
+
+
+class _PaddedBody(nn.Module):
+    """A model body that takes an optional padding mask and builds its layer's mask from it:
+    with ``decoder`` the future hidden as well (Arcee), only when a mask is given."""
+
+    def __init__(self, decoder: bool):
+        super().__init__()
+        torch.manual_seed(5)
+        self.decoder, self.attn = decoder, _MaskTaker()
+
+    def forward(self, x, attention_mask=None):
+        n = x.shape[1]
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask[:, None, None].bool()
+            if self.decoder:
+                mask = mask & torch.ones(n, n, dtype=torch.bool).tril()
+        return x + self.attn(x, mask)
+
+
+@pytest.mark.parametrize(
+    "decoder,want", [(True, ("masked_scores", "missing_mask")), (False, ("ok",))]
+)
+def test_a_model_that_masks_the_future_given_a_padding_mask_is_a_decoder(decoder, want):
+    """With the kind inferred: a padding mask that pads nothing changes nothing in an
+    encoder; a model that then masks the future is a decoder, and its mask-free path that
+    leaves the causal mask out is the mistake."""
+    report = check(lambda: _PaddedBody(decoder))
+    assert outcome(report) == want, report.to_text(color=False)
+    assert report.kind == ("causal-multihead" if decoder else "multihead")

@@ -15,11 +15,6 @@ from attnscope import AttnScopeError, ModelReport, check
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
-    "r8/b22_arcee_is_causal_false": (
-        "inferred",
-        "with the kind inferred a decoder without its "
-        "mask reads as a correct encoder: only the declared kind tells them apart",
-    ),
     # round 9's first run (commit 55ab782)
     "r9/b07_hunyuandit_kv_from_image": "cross-attention with a QK norm whose keys come from "
     "the queries' input: refused (given), passed as self-attention (inferred)",

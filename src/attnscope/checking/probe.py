@@ -834,7 +834,11 @@ class ModuleProbe:
         return self._invoke_root(x32, causal_hint)
 
     def _invoke_root(
-        self, x32: torch.Tensor, causal_hint: bool = False, other: torch.Tensor | None = None
+        self,
+        x32: torch.Tensor,
+        causal_hint: bool = False,
+        other: torch.Tensor | None = None,
+        extra: dict | None = None,
     ):
         if self.host is not None:  # the model around the layer, on its own input
             return self.host.call(x32)
@@ -858,6 +862,7 @@ class ModuleProbe:
                 hide = hide | torch.ones(n, n, dtype=torch.bool).tril(-window)
             mask = torch.zeros(n, n).masked_fill(hide, torch.finfo(torch.float32).min)
             kwargs["attention_mask"] = mask.expand(x32.shape[0] if batched else 1, 1, n, n)
+        kwargs.update(extra or {})
         if a["qkv"]:
             args = (inp, inp, inp)
         elif a["pair"]:  # a second input: another sequence in discovery (cross-attention?)
@@ -1185,6 +1190,8 @@ class ModuleProbe:
         causal_why = st.causal or self._declared_causal()
         if causal_why is None and self._behaves_causal(binding.d_in):
             causal_why = "its outputs do not change when later tokens change"
+        if causal_why is None:
+            causal_why = self._causal_given_padding()
         if causal_why:
             reasons.append(f"causal: {causal_why}")
             if multi and self.adapter["hf"]:  # a layer, or a block around it
@@ -1193,6 +1200,50 @@ class ModuleProbe:
         if not multi:
             reasons.append(f"one head ({binding.source})")
         return kind, "; ".join(reasons)
+
+    def _causal_given_padding(self) -> str | None:
+        """A model that takes an optional padding mask and, handed one that pads nothing,
+        masks the future: a decoder (whose path without a mask leaves the causal mask out,
+        then a mistake). Nothing padded changes nothing in an encoder."""
+        if self.host is not None or self.adapter["hf"] or self.adapter["pair"] or self.cross:
+            return None
+        try:
+            params = inspect.signature(self.module.forward).parameters
+        except (TypeError, ValueError):
+            return None
+        taken = params.get("attention_mask")
+        if taken is None or taken.default is not None:
+            return None
+        gen = torch.Generator().manual_seed(17)
+        x = torch.randn(BATCH, self._tokens(self.binding), self._root_width, generator=gen)
+        if not self._discovered_batched:
+            return None
+        ones = {"attention_mask": torch.ones(x.shape[0], x.shape[1], dtype=torch.long)}
+
+        def run(t: torch.Tensor, extra: dict | None):
+            try:
+                out, err = self._invoke_root(t, extra=extra)
+            except AttnScopeError:
+                return None
+            return None if err is not None or out.shape[:2] != t.shape[:2] else out.double()
+
+        plain, padded = run(x, None), run(x, ones)
+        if plain is None or padded is None or torch.allclose(plain, padded, atol=1e-6):
+            return None
+        late, early = x.clone(), x.clone()
+        late[:, -2:] = torch.randn(x.shape[0], 2, x.shape[2], generator=gen) * 3
+        early[:, :1] = torch.randn(x.shape[0], 1, x.shape[2], generator=gen) * 3
+        after_late, after_early = run(late, ones), run(early, ones)
+        if after_late is None or after_early is None:
+            return None
+        if not torch.allclose(padded[:, :-2], after_late[:, :-2], atol=1e-5, rtol=1e-4):
+            return None
+        if torch.allclose(padded[:, -1], after_early[:, -1], atol=1e-5):
+            return None
+        return (
+            "handed a padding mask that pads nothing (attention_mask of ones), its model "
+            "masks the future: a decoder"
+        )
 
     def _alibi(self, heads: int) -> Alibi | None:
         """The reference's ALiBi when the computation adds a position bias to the scores,
