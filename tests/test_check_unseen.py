@@ -18,11 +18,6 @@ _OPEN = {
     # round 9's first run (commit 55ab782)
     "r9/b07_hunyuandit_kv_from_image": "cross-attention with a QK norm whose keys come from "
     "the queries' input: refused (given), passed as self-attention (inferred)",
-    "r9/b12_musicgen_mask_only_with_padding": (
-        "inferred",
-        "a decoder without its mask reads as a "
-        "correct encoder with the kind inferred",
-    ),
     "r9/b16_coca_single_key_head_unrotated": "one fused projection for queries, one key "
     "head, one value head and the feed-forward branch: refused",
     "r9/b17_ministral_layer_type_shifted": "rotary tables built in this style: refused",
@@ -43,8 +38,7 @@ _OPEN = {
     "the check raised",
     "r9/r02_openclip_scaled_cosine": "cosine attention given a verdict (not_dot_product)",
     "r9/r03_eva02_rope_2d": "2D rotary given a verdict (not_dot_product)",
-    "r9/r04_llama4_chunked_attention": "chunked attention passed (identical at the probe's "
-    "length)",
+    "r9/r04_llama4_chunked_attention": "chunked attention passed (identical at the probe's length)",
     "r9/r05_imagebind_add_bias_kv": "learned bias keys and values given a verdict",
 }
 
