@@ -416,31 +416,66 @@ def test_a_position_bias_handed_to_the_layer_and_never_read(uses, alibi, want):
         assert report.structure["bias"] == ("alibi" if alibi else None)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_bidirectional_local_window_is_refused_not_judged(fused):
-    """ModernBERT/Longformer-style local attention (keys within h positions on either
-    side) is not modelled: exit 2 naming it, never not_dot_product on correct code."""
+class _Local(nn.Module):
+    """ModernBERT/Longformer-style local attention: each query sees the keys within
+    ``half`` positions on either side; ``declared`` is its layer's ``local_attention``
+    ``(left, right)`` pair (ModernBERT), when it has one."""
 
-    class Local(nn.Module):
-        def __init__(self, d=32, heads=4, half=2):
-            super().__init__()
-            self.h, self.hd, self.half = heads, d // heads, half
-            self.Wqkv, self.Wo = nn.Linear(d, 3 * d), nn.Linear(d, d)
+    def __init__(self, fused=False, half=2, declared=None, d=32, heads=4):
+        super().__init__()
+        self.h, self.hd, self.half, self.fused = heads, d // heads, half, fused
+        if declared is not None:
+            self.local_attention = declared
+        self.Wqkv, self.Wo = nn.Linear(d, 3 * d), nn.Linear(d, d)
 
-        def forward(self, x):
-            b, n, d = x.shape
-            q, k, v = self.Wqkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.Wqkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-2, -1) / math.sqrt(self.hd)
+        if self.half is None:
+            out = s.softmax(-1) @ v
+        else:
             i = torch.arange(n)
             far = (i[:, None] - i[None, :]).abs() > self.half
-            if fused:
+            if self.fused:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=~far)
             else:
-                s = (q @ k.transpose(-2, -1) / math.sqrt(self.hd)).masked_fill(far, float("-inf"))
-                out = s.softmax(-1) @ v
-            return self.Wo(out.transpose(1, 2).reshape(b, n, d))
+                out = s.masked_fill(far, float("-inf")).softmax(-1) @ v
+        return self.Wo(out.transpose(1, 2).reshape(b, n, d))
 
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_bidirectional_local_window_is_read_from_its_mask(fused):
+    """Keys within h positions on either side: an encoder's window of 2h + 1 keys (itself
+    included), read from the mask, whether it is seen at the first probe or only on a
+    longer call (a window wider than the probe)."""
+    for half in (2, 12):
+        report = check(lambda half=half: _Local(fused, half))
+        assert report.ok, report.to_text(color=False)
+        assert report.kind == "multihead"
+        assert report.structure["window"] == 2 * half + 1
+
+
+@pytest.mark.parametrize(
+    "half,declared,want",
+    [
+        (2, (2, 2), ("ok",)),
+        (3, (2, 2), ("masked_scores", "window_size")),  # a key too far on each side
+        (4, (2, 2), ("masked_scores", "window_size")),  # twice as wide
+        (None, (2, 2), ("masked_scores", "window_missing")),  # declared, never applied
+        (None, (-1, -1), ("ok",)),  # ModernBERT's global layers: no window
+    ],
+)
+def test_a_declared_local_window_is_held_to_its_declaration(half, declared, want):
+    report = check(lambda: _Local(False, half, declared), kind="multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    if want == ("ok",):
+        assert report.structure["window"] == (None if half is None else 2 * half + 1)
+
+
+def test_a_bidirectional_window_in_a_causal_layer_is_refused():
     with pytest.raises(AttnScopeError, match="not supported yet: a bidirectional sliding"):
-        check(Local)
+        check(lambda: _Local(False, 2), kind="causal-multihead")
 
 
 class _BareBlock(nn.Module):

@@ -15,30 +15,9 @@ from attnscope import AttnScopeError, ModelReport, check
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
-    "r8/b06_maxtext_port_key_positions": "rotation tables not read in this layout (refused)",
-    "r8/b21_gptfast_complex_scores_no_conj": "complex scores without the conjugate: the "
-    "rotation fit refuses before the scores are judged",
-    "r8/c05_codegen_mp_interleaved": "CodeGen's [q | v | k] model-parallel chunks: the "
-    "rotation fit refuses",
-    "r8/c22_flax_port_fullwidth_ln": "a kv-major grouped einsum after a full-width norm: the "
-    "rotation fit refuses",
-    "r8/r03_gptfast_requires_kv_cache": "refused, but naming its rotation, not the cache its "
-    "forward requires",
-    "r8/b23_modernbert_window_not_halved": "a bidirectional local window is not read",
-    "r8/c06_modernbert_local": "a bidirectional local window is not read (structure window)",
-    "r8/c23_moshi_context_offset": "a streaming context window is not read (structure window)",
-    "r8/b22_arcee_is_causal_false": (
-        "inferred",
-        "with the kind inferred a decoder without its "
-        "mask reads as a correct encoder: only the declared kind tells them apart",
-    ),
     # round 9's first run (commit 55ab782)
     "r9/b07_hunyuandit_kv_from_image": "cross-attention with a QK norm whose keys come from "
     "the queries' input: refused (given), passed as self-attention (inferred)",
-    "r9/b12_musicgen_mask_only_with_padding": (
-        "inferred",
-        "a decoder without its mask reads as a correct encoder with the kind inferred",
-    ),
     "r9/b16_coca_single_key_head_unrotated": "one fused projection for queries, one key "
     "head, one value head and the feed-forward branch: refused",
     "r9/b20_labml_softmax_dim0": ("inferred", "sequence-first with the kind inferred: scores"),

@@ -153,19 +153,10 @@ def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pa
     roles, shared = st.roles, st.shared
     if shared.get("k") == "q" and shared.get("v") == "q":  # one combined qkv weight
         ((w, b),) = [_cat([_intended(p) for p in roles["q"]])]
-        sizes = tuple(st.widths.get(r, 0) for r in ("q", "k", "v"))
-        if sizes[0] != sizes[1] and sum(sizes) == w.shape[1]:  # grouped heads: q wider
-            cuts = [slice(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(3)]
-            out = [(tuple((w[:, c], _cut(b, c)) for c in cuts), "[q|k|v]")]
-            hd = st.head_dim or 0
-            if hd and sizes[1] % hd == 0 and sizes[0] % sizes[1] == 0:
-                # per key/value group: [q_1 .. q_g, k, v] for each group (lit-gpt, Falcon)
-                kv, g = sizes[1] // hd, sizes[0] // sizes[1]
-                idx = torch.arange(w.shape[1]).view(kv, g + 2, hd)
-                groups = [idx[:, :g].reshape(-1), idx[:, g].reshape(-1), idx[:, g + 1].reshape(-1)]
-                out.append((tuple((w[:, c], _cut(b, c)) for c in groups), "per-group [q..|k|v]"))
-            return out
-        return [(tuple(parts), layout) for layout, parts in split_qkv(w, b, st.heads)]
+        guessed = _combined(st, w, b)
+        # the cut the computation makes, where no convention's layout is it
+        traced = [t for t in _traced(st, w, b) if not any(_same(t[0], g[0]) for g in guessed)]
+        return guessed + traced
     pairs = {r: _cat([_intended(p) for p in roles[r]]) for r in ("q", "k", "v")}
     if shared.get("v") == "k":  # a separate query weight and one combined key/value weight
         w, b = pairs["k"]
@@ -190,6 +181,51 @@ def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pa
     # two roles made with one weight while another of the same shape sits idle: only the
     # readings that use the idle one (the one that reuses a weight is the mistake)
     return _with_unused(st, layer, triple) or _with_idle_siblings(st, pairs) or [(triple, "")]
+
+
+def _combined(st: Structure, w: T, b: T | None) -> list:
+    """One combined qkv weight read by the conventions of its layouts ([q|k|v], per head,
+    per key/value group)."""
+    sizes = tuple(st.widths.get(r, 0) for r in ("q", "k", "v"))
+    if sizes[0] != sizes[1] and sum(sizes) == w.shape[1]:  # grouped heads: q wider
+        cuts = [slice(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(3)]
+        out = [(tuple((w[:, c], _cut(b, c)) for c in cuts), "[q|k|v]")]
+        hd = st.head_dim or 0
+        if hd and sizes[1] % hd == 0 and sizes[0] % sizes[1] == 0:
+            # per key/value group: [q_1 .. q_g, k, v] for each group (lit-gpt, Falcon)
+            kv, g = sizes[1] // hd, sizes[0] // sizes[1]
+            idx = torch.arange(w.shape[1]).view(kv, g + 2, hd)
+            groups = [idx[:, :g].reshape(-1), idx[:, g].reshape(-1), idx[:, g + 1].reshape(-1)]
+            out.append((tuple((w[:, c], _cut(b, c)) for c in groups), "per-group [q..|k|v]"))
+        return out
+    return [(tuple(parts), layout) for layout, parts in split_qkv(w, b, st.heads)]
+
+
+def _traced(st: Structure, w: T, b: T | None) -> list:
+    """One combined qkv weight cut where the computation's own layout calls cut it
+    (:attr:`Structure.cuts`), where that cut is a published convention no guess covers:
+    model-parallel chunks (2 or more, whole heads each) of ``[q|k|v]`` or ``[q|v|k]``
+    blocks, as CodeGen's ``mp_num`` chunks are ``[q|v|k]``. Roles in another order
+    (keys cut where the values are) stay the mistake they are."""
+    cuts, total, hd = st.cuts, w.shape[1], st.head_dim or 0
+    if cuts is None or not hd or total % 3:
+        return []
+    width = total // 3
+    for c in range(2, width // hd + 1):
+        if width % (c * hd):
+            continue
+        idx = torch.arange(total).view(c, 3, width // c)
+        for order in ((0, 1, 2), (0, 2, 1)):
+            want = {r: idx[:, i].reshape(-1) for r, i in zip("qkv", order, strict=True)}
+            if all(torch.equal(cuts[r], want[r]) for r in "qkv"):
+                parts = tuple((w[:, want[r]], _cut(b, want[r])) for r in "qkv")
+                blocks = "[q|k|v]" if order == (0, 1, 2) else "[q|v|k]"
+                return [(parts, f"{c} model-parallel chunks of {blocks}")]
+    return []
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(x[0], y[0]) for x, y in zip(a, b, strict=True))
 
 
 def _packed(st: Structure, root: nn.Module) -> list:

@@ -29,6 +29,10 @@ MASKING_OPS = {"masked_fill", "masked_fill_", "where", "add", "__add__", "__radd
 MASKING_OPS |= {"__sub__", "mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
 
 
+#: calls that write into a tensor in place (a KV cache's update)
+_WRITES = {"__setitem__", "index_put_", "index_copy_", "copy_", "scatter_", "index_add_"}
+
+
 class Unsupported(AttnScopeError):
     """The layer holds something the checker does not model yet: no verdict is given."""
 
@@ -97,9 +101,39 @@ class Features:
         s = self.s
         self._cross()
         for core in s.cores:
+            self._cached(core)
+        for core in s.cores:
             for role, node in (("queries", core.q_node), ("keys", core.k_node)):
                 self._qk_path(role, node)
             self._score_path(core)
+
+    def _cached(self, core: Core) -> None:
+        """Keys or values written in place into a tensor not made from the input (a buffer,
+        a preallocated cache) and the scores then taken over more keys than the sequence
+        has: a KV cache the forward requires, read back whole (what a refusal names: the
+        rest of the layer is then read for keys that are not the sequence's)."""
+        if self.s.cross is not None:
+            return
+        if core.fused is not None:
+            q, k = self.ops[core.q_node].output, self.ops[core.k_node].output
+            shape = (q.shape[-2], k.shape[-2]) if min(q.dim(), k.dim()) >= 2 else None
+        else:
+            out = core.score.output if core.score is not None else None
+            shape = tuple(out.shape[-2:]) if out is not None and out.dim() >= 2 else None
+        if shape is None or shape[0] == shape[1]:
+            return
+        for node in (core.k_node, core.v_node):
+            for i in sorted(self.g.ancestors(node)) if node is not None else []:
+                op = self.ops[i]
+                if op.name not in _WRITES or not op.args or self.g.tainted[op.args[0]]:
+                    continue
+                if any(self.g.tainted[a] for a in op.args[1:]) and self.s.cache is None:
+                    self.s.cache = (
+                        "a KV cache its forward requires (keys and values written into a "
+                        f"tensor not made from the input, and the scores read {shape[1]} keys "
+                        f"for {shape[0]} queries)",
+                        op.location,
+                    )
 
     def _refuse(self, what: str, where: str | None) -> None:
         at = f" at {where}" if where else ""
@@ -197,6 +231,9 @@ class Features:
             if kind == "bias":
                 s.bias = BiasSeen(self._bias_seen, tuple(op.output.shape), op.location)
                 s.bias.before_scale = self._scaled_after(op, reach)
+                continue
+            if kind == "local":  # not causal: a window of keys on either side
+                s.window, s.local = (self.window_seen, op.location), f"{detail} at {op.location}"
                 continue
             if kind == "window":
                 s.window = (self.window_seen, op.location)
@@ -304,8 +341,9 @@ class Features:
             self.window_seen = d
             return ("window", f"each query sees {d} keys, itself included")
         if kind == "band":
+            self.window_seen = 2 * d + 1
             return (
-                "band",
+                "local",
                 f"a bidirectional sliding window (local attention: each query "
                 f"sees the keys within {d} positions on either side, {how})",
             )
@@ -347,6 +385,10 @@ class Features:
                 kind, detail = found
                 if kind == "band":
                     self._refuse(detail, op.location)
+                if kind == "local":  # not causal: a window of keys on either side
+                    self.s.window = (self.window_seen, op.location)
+                    self.s.local = f"{detail} at {op.location}"
+                    return
                 if kind == "window":
                     self.s.window = (self.window_seen, op.location)
                     detail = f"a sliding-window mask ({detail})"

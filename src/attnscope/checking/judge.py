@@ -145,6 +145,8 @@ class Judge:
 
     def _stage_list(self) -> list[Stage]:
         stages = list(stages_for_kind(self.kind))
+        if self.spec is not None and self.spec.window and Stage.MASKED_SCORES not in stages:
+            stages.insert(stages.index(Stage.WEIGHTS), Stage.MASKED_SCORES)  # a local window
         if self.spec is not None and self.spec.has_out and Stage.OUTPUT not in stages:
             stages.append(Stage.OUTPUT)
         return stages

@@ -58,6 +58,9 @@ class Structure:
     qk_norm: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     #: the sliding window its mask shows (keys a query sees, itself included), with its line
     window: tuple[int, str | None] | None = None
+    #: where ``window`` is a bidirectional local window (keys on either side, not causal):
+    #: what shows it, with its line
+    local: str | None = None
     #: cross-attention: the line where keys and values are projected from another sequence
     cross: str | None = None
     #: a position bias (ALiBi) added to the scores, as seen (see :class:`.features.BiasSeen`)
@@ -66,6 +69,13 @@ class Structure:
     widths: dict[str, int] = field(default_factory=dict)
     #: the line where the scores go through a tanh (logit soft-capping, Gemma 2)
     softcap: str | None = None
+    #: one combined projection: the columns each role ("q", "k", "v") reads, heads in
+    #: order, as the computation's own cuts (reshapes, splits, slices) take them; None where
+    #: they could not be traced to whole heads of one partition of its output
+    cuts: dict[str, T] | None = None
+    #: (what, line) where the keys and values are written into a cache the scores read
+    #: whole, more keys than the sequence has (a KV cache the forward requires)
+    cache: tuple[str, str | None] | None = None
 
     @property
     def weightless(self) -> bool:

@@ -57,6 +57,7 @@ __all__ = ["BATCH", "ModuleProbe", "first_tensor", "fmt_shape", "rebuild_sdpa"]
 BATCH = 2
 _WEIGHTLESS_WIDTH = 5  # d_in for a module without weights (simplified attention)
 _ROPE_BATCH = 6  # sequences of the call a rotation is read from
+_WINDOW_PROBE = 40  # tokens of the call a sliding window wider than the probe is read from
 #: words in the name of a second input that is another sequence (not a mask or positions)
 _SEQUENCE_HINTS = (
     "encoder",
@@ -344,6 +345,8 @@ class ModuleProbe:
         self.gen = torch.Generator().manual_seed(seed)
         # discovery draws from its own generator: the judged probes do not depend on it
         self.discovery_gen = torch.Generator().manual_seed(seed + 1)
+        self._window_gen = torch.Generator().manual_seed(seed + 2)
+        self._discovered_batched = True
         self.entry: _Entry | None = None
         #: attention computed inline in a block (no module of its own): the submodule that
         #: makes its output (the output projection), where the attention's output is taken
@@ -371,6 +374,7 @@ class ModuleProbe:
             return self._run_weightless()
         st = self._discover()
         self.structure = st
+        self._look_for_window(st)
         if st.pre:
             what = ", ".join(dict.fromkeys(op.name for op in st.pre))
             self.notes.append(
@@ -465,6 +469,7 @@ class ModuleProbe:
                 except AttnScopeError as exc:
                     raise type(exc)(f"{self.tgt.text}: {exc}") from None
                 self._root_width = d
+                self._discovered_batched = x is batch
                 self.cross = st.cross is not None
                 self._context_width = d2 if d2 is not None else d
                 self._second_read = other is not None and any(
@@ -501,6 +506,35 @@ class ModuleProbe:
                 "block that supplies them. Every probe raised: " + "; ".join(errors[:2])
             )
         raise AttnScopeError(f"{self.tgt.text} raised on every probe: " + "; ".join(errors[:3]))
+
+    def _look_for_window(self, st: Structure) -> None:
+        """A sliding window wider than the discovery probe hides nothing there: where none
+        is declared or seen, one longer call (its mask built by the layer or its model) is
+        read for one. What else that call shows is left to the probes that follow."""
+        if st.window is not None or self.host is not None or self.cross:
+            return
+        if self._declared_window() is not None or self._declared_local() is not None:
+            return
+        limit = self._context_limit()
+        n = _WINDOW_PROBE if limit is None else min(_WINDOW_PROBE, limit)
+        if n <= self._tokens(None) + 2:
+            return
+        x = torch.randn(BATCH, n, self._root_width, generator=self._window_gen)
+        if not self._discovered_batched:
+            x = x[0]
+        rec = self._recorder(x)
+        try:
+            with rec:
+                _, err = self._invoke_root(x)
+            long = None if err is not None else read_structure(rec, self.module)
+        except Exception:  # a longer input it does not take: no window read
+            return
+        if long is not None and long.window is not None and long.layer == st.layer:
+            st.window, st.local = long.window, long.local
+            self.notes.append(
+                f"a sliding window of {long.window[0]} keys read from a {n}-token call"
+                + (f" (its mask at {long.window[1]})" if long.window[1] else "")
+            )
 
     def _inherit_tokens_first(self) -> None:
         """A layer that says it takes ``(tokens, batch, d)`` (see :func:`_says_tokens_first`)
@@ -809,7 +843,11 @@ class ModuleProbe:
         return self._invoke_root(x32, causal_hint)
 
     def _invoke_root(
-        self, x32: torch.Tensor, causal_hint: bool = False, other: torch.Tensor | None = None
+        self,
+        x32: torch.Tensor,
+        causal_hint: bool = False,
+        other: torch.Tensor | None = None,
+        extra: dict | None = None,
     ):
         if self.host is not None:  # the model around the layer, on its own input
             return self.host.call(x32)
@@ -833,6 +871,7 @@ class ModuleProbe:
                 hide = hide | torch.ones(n, n, dtype=torch.bool).tril(-window)
             mask = torch.zeros(n, n).masked_fill(hide, torch.finfo(torch.float32).min)
             kwargs["attention_mask"] = mask.expand(x32.shape[0] if batched else 1, 1, n, n)
+        kwargs.update(extra or {})
         if a["qkv"]:
             args = (inp, inp, inp)
         elif a["pair"]:  # a second input: another sequence in discovery (cross-attention?)
@@ -1123,7 +1162,8 @@ class ModuleProbe:
         limit = self._context_limit()
         # a declared window shorter than the probe, by more than one key: a window one key
         # too wide must not read as no window at all
-        window = self._declared_window()
+        # (or, with none declared, the one its mask shows)
+        window = self._declared_window() or self._declared_local() or self._seen()
         least = window + 3 if window is not None and window <= 32 else 2
         for n in (SIZES["tokens"], 5, 6, 11, 13, 9, 3, 17, 19, 4, 8, 23, 29, 31, 37):
             if n not in taken and n >= least and (limit is None or n <= limit):
@@ -1164,6 +1204,8 @@ class ModuleProbe:
         causal_why = st.causal or self._declared_causal()
         if causal_why is None and self._behaves_causal(binding.d_in):
             causal_why = "its outputs do not change when later tokens change"
+        if causal_why is None:
+            causal_why = self._causal_given_padding()
         if causal_why:
             reasons.append(f"causal: {causal_why}")
             if multi and self.adapter["hf"]:  # a layer, or a block around it
@@ -1172,6 +1214,50 @@ class ModuleProbe:
         if not multi:
             reasons.append(f"one head ({binding.source})")
         return kind, "; ".join(reasons)
+
+    def _causal_given_padding(self) -> str | None:
+        """A model that takes an optional padding mask and, handed one that pads nothing,
+        masks the future: a decoder (whose path without a mask leaves the causal mask out,
+        then a mistake). Nothing padded changes nothing in an encoder."""
+        if self.host is not None or self.adapter["hf"] or self.adapter["pair"] or self.cross:
+            return None
+        try:
+            params = inspect.signature(self.module.forward).parameters
+        except (TypeError, ValueError):
+            return None
+        taken = params.get("attention_mask")
+        if taken is None or taken.default is not None:
+            return None
+        gen = torch.Generator().manual_seed(17)
+        x = torch.randn(BATCH, self._tokens(self.binding), self._root_width, generator=gen)
+        if not self._discovered_batched:
+            return None
+        ones = {"attention_mask": torch.ones(x.shape[0], x.shape[1], dtype=torch.long)}
+
+        def run(t: torch.Tensor, extra: dict | None):
+            try:
+                out, err = self._invoke_root(t, extra=extra)
+            except AttnScopeError:
+                return None
+            return None if err is not None or out.shape[:2] != t.shape[:2] else out.double()
+
+        plain, padded = run(x, None), run(x, ones)
+        if plain is None or padded is None or torch.allclose(plain, padded, atol=1e-6):
+            return None
+        late, early = x.clone(), x.clone()
+        late[:, -2:] = torch.randn(x.shape[0], 2, x.shape[2], generator=gen) * 3
+        early[:, :1] = torch.randn(x.shape[0], 1, x.shape[2], generator=gen) * 3
+        after_late, after_early = run(late, ones), run(early, ones)
+        if after_late is None or after_early is None:
+            return None
+        if not torch.allclose(padded[:, :-2], after_late[:, :-2], atol=1e-5, rtol=1e-4):
+            return None
+        if torch.allclose(padded[:, -1], after_early[:, -1], atol=1e-5):
+            return None
+        return (
+            "handed a padding mask that pads nothing (attention_mask of ones), its model "
+            "masks the future: a decoder"
+        )
 
     def _alibi(self, heads: int) -> Alibi | None:
         """The reference's ALiBi when the computation adds a position bias to the scores,
@@ -1278,14 +1364,60 @@ class ModuleProbe:
 
     def _window(self) -> int | None:
         """The sliding window the reference holds the layer to: the one its (or its
-        model's) configuration declares, else the one its mask shows; causal kinds only."""
-        if not self.kind.causal:
+        model's) configuration declares, else the one its mask shows. Causal kinds see
+        their last keys; the others (a bidirectional local window) the keys on either side.
+        """
+        st = self.structure
+        local = st is not None and st.local is not None
+        if local and (self.kind.causal or self.kind.cross):
+            # keys on either side in a causal layer, or across two sequences: not modelled
+            raise Unsupported(f"{self.tgt.text}: not supported yet: {st.local}")
+        if self.kind.cross:
             return None
+        if not self.kind.causal:
+            declared = self._declared_local()
+            if declared is not None:
+                return declared
+            return st.window[0] if local else None
         declared = self._declared_window()
         if declared is not None:
             return declared
+        return st.window[0] if st is not None and st.window is not None else None
+
+    def _seen(self) -> int | None:
         st = self.structure
         return st.window[0] if st is not None and st.window is not None else None
+
+    def _window_seen(self) -> int | None:
+        """The window the layer's mask shows (see :meth:`_window`)."""
+        st = self.structure
+        if st is None or st.window is None or (st.local is not None) == self.kind.causal:
+            return None
+        return st.window[0]
+
+    def _declared_local(self) -> int | None:
+        """A bidirectional local window its layer or configuration declares, as keys a query
+        sees (itself included): a ``(left, right)`` pair (ModernBERT's layers: ``(-1, -1)``
+        for a global one), or one width split evenly on both sides (ModernBERT's and
+        Longformer's configurations: ``w // 2`` keys on either side)."""
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in (
+            m,
+            getattr(m, "config", None),
+            self.module,
+            getattr(self.module, "config", None),
+        ):
+            for attr in ("local_attention", "attention_window"):
+                v = getattr(holder, attr, None)
+                if isinstance(v, tuple) and len(v) == 2:  # (a list is one width per layer)
+                    if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                        return None
+                    if min(v) < 0 or v[0] != v[1]:
+                        return None  # none (a global layer), or one of another shape
+                    return v[0] + v[1] + 1
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return 2 * (v // 2) + 1
+        return None
 
     def _declared_window(self) -> int | None:
         m = self.entry.module if self.entry is not None else self.module
@@ -1426,6 +1558,7 @@ class ModuleProbe:
                     b.has_out,
                     kv_heads=kv,
                     window=self._window(),
+                    window_seen=self._window_seen(),
                     alibi=self._alibi(h),
                     declared_scale=scale,
                     scale_source=source,
@@ -1455,6 +1588,8 @@ class ModuleProbe:
                 kept.append((w, dataclasses.replace(spec, rope=rope, qk_norm=norm)))
         if not kept:
             what, where = next(iter({**st.qk_norm, **st.rotary}.values()))
+            if st.cache is not None:  # the keys are a cache's, not the sequence's: why
+                what, where = st.cache
             raise Unsupported(f"not supported yet: {what}" + (f" at {where}" if where else ""))
         spec = kept[0][1]
         if spec.rope is not None:

@@ -31,6 +31,8 @@ __all__ = [
     "merge",
     "causal_hide",
     "window_hide",
+    "band_hide",
+    "window_mask",
 ]
 
 T = torch.Tensor
@@ -53,7 +55,11 @@ class Spec:
     has_out: bool = False
     kv_heads: int | None = None
     rope: Rope | None = None
-    window: int | None = None  # causal kinds: each query sees its last `window` keys
+    #: causal kinds: each query sees its last ``window`` keys; other kinds: the keys within
+    #: ``(window - 1) // 2`` positions on either side (a bidirectional local window)
+    window: int | None = None
+    #: the window the layer's mask shows, where it differs from ``window`` (the declared one)
+    window_seen: int | None = None
     qk_norm: QKNorm | None = None
     alibi: Alibi | None = None
     #: a scale the layer's configuration declares instead of 1/sqrt(d_k) (Gemma's
@@ -143,6 +149,19 @@ def window_hide(n: int, window: int) -> T:
     """``(n, n)`` bool: the future, and keys ``window`` or more behind the query."""
     ones = torch.ones(n, n, dtype=torch.bool)
     return ones.triu(1) | ones.tril(-window)
+
+
+@functools.lru_cache(maxsize=64)
+def band_hide(n: int, window: int) -> T:
+    """``(n, n)`` bool: keys more than ``(window - 1) // 2`` positions from the query, on
+    either side (a bidirectional local window of ``window`` keys, the query included)."""
+    i = torch.arange(n)
+    return (i[:, None] - i[None, :]).abs() > (window - 1) // 2
+
+
+def window_mask(n: int, window: int, causal: bool) -> T:
+    """What a sliding window hides: :func:`window_hide` (causal), :func:`band_hide`."""
+    return window_hide(n, window) if causal else band_hide(n, window)
 
 
 @functools.lru_cache(maxsize=64)
@@ -311,6 +330,12 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
             hide = lambda s: s.masked_fill(window_hide(s.shape[-1], spec.window), -torch.inf)  # noqa: E731
         else:
             hide = lambda s: s.masked_fill(causal_hide(s.shape[-1]), -torch.inf)  # noqa: E731
+        logits = masked = sub.get("masked_scores", hide(logits))
+    elif spec.window is not None:  # a bidirectional local window
+        if mut.mask:
+            hide = mut.mask
+        else:
+            hide = lambda s: s.masked_fill(band_hide(s.shape[-1], spec.window), -torch.inf)  # noqa: E731
         logits = masked = sub.get("masked_scores", hide(logits))
     if mut.user_dim is not None:
         # the user's axis numbers count the user's layout: (B,) (H,) T_q, T_k

@@ -146,6 +146,14 @@ def _as_heads(u: T, b: int, h: int, n: int, d: int) -> list[T]:
         for perm in itertools.permutations(range(4)):
             if tuple(u.shape[i] for i in perm) == (b, h, n, d):
                 out.append(u.permute(perm))
+    elif u.dim() == 5 and u.shape[-1] == 2 and 2 * u.shape[-2] == d:
+        # feature pairs on an axis of their own (a complex view's real tensor)
+        out += _as_heads(u.flatten(-2), b, h, n, d)
+    if u.dim() == 5:  # grouped heads on two axes (einsum "btkgd,bskd->bkgts"): outer-major
+        for perm in itertools.permutations(range(5)):
+            s = tuple(u.shape[i] for i in perm)
+            if (s[0], s[3], s[4]) == (b, n, d) and s[1] * s[2] == h and 1 < s[1] < h:
+                out.append(u.permute(perm).reshape(b, h, n, d))
     elif u.dim() == 3:
         if tuple(u.shape) == (b * h, n, d):
             out += [u.reshape(b, h, n, d), u.reshape(h, b, n, d).transpose(0, 1)]

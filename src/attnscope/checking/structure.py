@@ -116,15 +116,58 @@ def _product_sides(g: Graph, op: Op) -> tuple[int, int, int] | None:
         sides = _einsum_sides(op)
         if sides is None or len(pairs) != 2:
             return None
-        return pairs[sides[0]][1], pairs[sides[1]][1], sides[2]
-    if len(pairs) == 1 and len(nodes) >= 2 and nodes.count(pairs[0][1]) >= 2:
-        pairs = [pairs[0], pairs[0]]  # x @ x.T written on one tensor
-    if len(pairs) != 2:
-        return None
-    (ta, na), (tb, nb) = pairs
-    if op.name == "__rmatmul__":
-        (ta, na), (tb, nb) = (tb, nb), (ta, na)
-    return na, nb, ta.shape[-1] if ta.dim() else 1
+        (ta, na), (tb, nb) = pairs[sides[0]], pairs[sides[1]]
+        size = sides[2]
+    else:
+        if len(pairs) == 1 and len(nodes) >= 2 and nodes.count(pairs[0][1]) >= 2:
+            pairs = [pairs[0], pairs[0]]  # x @ x.T written on one tensor
+        if len(pairs) != 2:
+            return None
+        (ta, na), (tb, nb) = pairs
+        if op.name == "__rmatmul__":
+            (ta, na), (tb, nb) = (tb, nb), (ta, na)
+        size = ta.shape[-1] if ta.dim() else 1
+    if ta.is_complex() or tb.is_complex():
+        # complex operands (pairs of features viewed as complex numbers): the real tensors
+        # they view are the operands, each complex entry two features; whether the product
+        # is a dot product (one side conjugated, the real part taken) the judge sees
+        ra, rb = _real_view(g, na), _real_view(g, nb)
+        if ra is None or rb is None:
+            return None
+        return ra, rb, 2 * size
+    return na, nb, size
+
+
+def _swapped(obj, swap: dict[int, T]):
+    """A call's arguments with the tensors in ``swap`` (by id) replaced."""
+    if isinstance(obj, torch.Tensor):
+        return swap.get(id(obj), obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_swapped(o, swap) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _swapped(v, swap) for k, v in obj.items()}
+    return obj
+
+
+#: calls between a complex view of the queries or keys and the product that takes it
+_COMPLEX_LAYOUT = {"conj", "resolve_conj", "conj_physical"}
+
+
+def _real_view(g: Graph, node: int) -> int | None:
+    """The real tensor a complex operand views (``view_as_complex``'s argument), up through
+    layout calls and conjugation; None where it is made otherwise."""
+    i = node
+    for _ in range(16):
+        op = g.ops[i]
+        parents = g.tainted_args(op)
+        if len(parents) != 1:
+            return None
+        if op.name == "view_as_complex":
+            return parents[0]
+        if op.name not in LAYOUT_OPS and op.name not in _COMPLEX_LAYOUT:
+            return None
+        i = parents[0]
+    return None
 
 
 def _named_nodes(op: Op, names: list[str]) -> dict[str, int]:
@@ -384,8 +427,89 @@ class _Reader:
             widths=widths,
         )
         s.pre = self._pre(s)
+        if shared.get("k") == "q" and shared.get("v") == "q" and head_dim:
+            s.cuts = self._cuts(roles["q"], cores, widths, head_dim)
         Features(self.g, s).find()
         return s
+
+    def _cuts(self, projs, cores, widths, head_dim) -> dict[str, T] | None:
+        """The columns of one combined projection each role reads (see
+        :attr:`Structure.cuts`): the projection's output replaced by the index of each
+        entry and the layout calls on the way to each operand run again on it. Taken only
+        where every row is cut alike, each head is a run of adjacent columns, heads in
+        order, and the roles share out every column once."""
+        if len(projs) != 1:
+            return None
+        p = projs[0]
+        out = self.ops[p.op.index].output
+        feats = [i for i in range(out.dim()) if i not in p.rows]
+        if not p.rows or feats != list(range(out.dim() - len(feats), out.dim())):
+            return None
+        width = p.width
+        n_rows = out.numel() // max(width, 1)
+        cuts: dict[str, T] = {}
+        for core in cores:
+            for role, node in (("q", core.q_node), ("k", core.k_node), ("v", core.v_node)):
+                cut = None if node is None else self._traced(p.op.index, node, widths.get(role))
+                if cut is None or (role in cuts and not torch.equal(cuts[role], cut)):
+                    return None
+                cuts[role] = cut
+        whole = torch.cat(list(cuts.values()))
+        if not torch.equal(whole.sort().values, torch.arange(width)):
+            return None
+        for cut in cuts.values():
+            heads = cut.view(-1, head_dim) if cut.numel() % head_dim == 0 else None
+            if heads is None or not torch.equal(
+                heads - heads[:, :1], torch.arange(head_dim).expand_as(heads)
+            ):
+                return None
+            if heads.shape[0] > 1 and not bool((heads[1:, 0] > heads[:-1, 0]).all()):
+                return None
+        return cuts if n_rows else None
+
+    def _traced(self, start: int, node: int, width: int | None) -> T | None:
+        """The columns (of the projection output at ``start``, features last) that the
+        last layout-only descendant of it above ``node`` holding ``width`` features per
+        row reads, in its own order."""
+        if not width:
+            return None
+        out = self.ops[start].output
+        total = out.shape[-1] if out.dim() else 0
+        if not total or out.numel() >= 2**52:
+            return None
+        n_rows = out.numel() // total
+        env = {start: torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape)}
+        above = self.g.ancestors(node)
+        found = None
+        for op in self.ops[start + 1 : node + 1]:
+            if op.index not in above or op.name not in LAYOUT_OPS or op.func is None:
+                continue
+            parents = self.g.tainted_args(op)
+            if not parents or any(a not in env for a in parents):
+                continue
+            swap = {id(self.g.original(a)): env[a] for a in parents}
+            try:
+                made = op.func(*_swapped(op.call_args, swap), **_swapped(op.call_kwargs, swap))
+            except Exception:  # a call that does not take a float64 stand-in: not traced
+                continue
+            if isinstance(made, (tuple, list)):
+                made = made[op.position] if op.position < len(made) else None
+            if not isinstance(made, torch.Tensor) or made.shape != op.output.shape:
+                continue
+            env[op.index] = made
+            if made.numel() == n_rows * width:
+                found = made
+        if found is None:
+            return None
+        flat = found.detach().reshape(-1)
+        if not bool((flat == flat.round()).all()):
+            return None
+        flat = flat.long()
+        row, col = flat // total, flat % total
+        if not torch.equal(torch.bincount(row, minlength=n_rows), torch.full((n_rows,), width)):
+            return None
+        cols = col[torch.sort(row, stable=True).indices].view(n_rows, width)
+        return cols[0].clone() if bool((cols == cols[:1]).all()) else None
 
     def _pre(self, s: Structure) -> list[Op]:
         """Transforms of the input inside the layer before the projections (not layout)."""

@@ -12,7 +12,7 @@ import torch
 
 from ...stages import Stage
 from ..alibi import alibi_bias
-from ..reference import Mutation, causal_hide, window_hide
+from ..reference import Mutation, causal_hide, window_mask
 from .base import Context, define
 
 _OTHER = {"half": "interleaved", "interleaved": "half"}
@@ -183,17 +183,33 @@ def _kv_group_mapping(c: Context) -> list[Mutation]:
 
 def _window_expected(spec) -> str:
     w = spec.window
+    if not w:
+        return ""
+    if not spec.causal:
+        return (
+            f"expected each query to see the keys within {(w - 1) // 2} positions on either "
+            f"side, {w} keys with itself (the declared local window)"
+        )
     return (
         f"expected each query to see its last {w} keys, itself included (the declared "
         f"sliding window), and no key after it"
-        if w
-        else ""
     )
 
 
 @define("window_missing", expected=_window_expected)
 def _window_missing(c: Context) -> list[Mutation]:
     w = c.spec.window
+    if not c.spec.causal:
+        if not w or (w - 1) // 2 >= c.tokens - 1:
+            return []  # a window as wide as the probe hides nothing
+        return [
+            Mutation(
+                "window_missing",
+                Stage.MASKED_SCORES,
+                "no mask: every key seen",
+                mask=lambda s: s,
+            )
+        ]
     if not w or w >= c.tokens:
         return []  # a window as long as the probe hides nothing more than the causal mask
     return [
@@ -208,19 +224,25 @@ def _window_missing(c: Context) -> list[Mutation]:
 
 @define("window_size", expected=_window_expected)
 def _window_size(c: Context) -> list[Mutation]:
-    w = c.spec.window
+    w, causal, n = c.spec.window, c.spec.causal, c.tokens
     if not w:
         return []
+    # the window the mask shows first, then those one or two keys off (a symmetric window
+    # is off by a key on each side)
+    others = [c.spec.window_seen] if c.spec.window_seen else []
+    others += [w + 1, w - 1, w + 2, w - 2] if causal else [w + 2, w - 2]
     out = []
-    for other in (w + 1, w - 1, w + 2, w - 2):
-        if 1 <= other < c.tokens + 1 and min(w, c.tokens) != min(other, c.tokens):
+    for other in dict.fromkeys(o for o in others if o and o != w):
+        if other < 1 or causal and not (other < n + 1 and min(w, n) != min(other, n)):
+            continue
+        if not torch.equal(window_mask(n, other, causal), window_mask(n, w, causal)):
             out.append(
                 Mutation(
                     "window_size",
                     Stage.MASKED_SCORES,
                     f"a window of {other} keys where {w} are declared",
                     mask=lambda s, other=other: s.masked_fill(
-                        window_hide(s.shape[-1], other), -torch.inf
+                        window_mask(s.shape[-1], other, causal), -torch.inf
                     ),
                 )
             )
