@@ -654,3 +654,25 @@ def test_a_tanh_in_the_softmaxs_place_is_still_not_softmax():
             return self.o((w @ v).transpose(1, 2).reshape(b, n, d))
 
     assert outcome(check(TanhWeights)) == ("weights", "not_softmax")
+
+
+@pytest.mark.parametrize(
+    "name,other",
+    [
+        ("encoder_hidden_states", True),
+        ("context", True),
+        ("y", True),
+        ("xa", True),
+        ("image_embeds", True),
+        ("rotary_pos_emb", False),  # Qwen's: a "y" inside a word names no sequence
+        ("key_value_states_mask", False),
+        ("history", False),
+        ("attention_mask", False),
+    ],
+)
+def test_a_second_input_is_another_sequence_by_its_name_not_a_letter_in_it(name, other):
+    """The tie-break that names a second input another sequence (cross-attention) reads
+    whole words for its short hints: Qwen 1's ``rotary_pos_emb`` was taken for ``y``."""
+    from attnscope.checking.probe import _names_a_sequence
+
+    assert _names_a_sequence(name) is other

@@ -14,10 +14,6 @@ from attnscope import ModelReport, check
 #: fixed the test says so and leaves the list
 _OPEN: dict[str, str | tuple[str, str]] = {
     # m2's first run (commit 78e1af4)
-    "18_qwen1_layer_past_seq_axis_positions": (
-        "inferred",
-        "the rotation fit refuses with the kind inferred: decoding not judged",
-    ),
 }
 
 

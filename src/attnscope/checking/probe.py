@@ -75,6 +75,17 @@ _SEQUENCE_HINTS = (
     "kv_input",
     "y",
 )
+
+
+def _names_a_sequence(name: str) -> bool:
+    """Whether a parameter's name says it is another sequence: a hint within it, or, for
+    the short ones (``y``, ``xa``), the whole of one of its words (``rotary_pos_emb`` is
+    not ``y``)."""
+    low = name.lower()
+    words = set(re.split(r"[^a-z0-9]+", low))
+    return any(h in words if len(h) <= 2 else h in low for h in _SEQUENCE_HINTS)
+
+
 #: where layers and configs declare a sliding window (Mistral, Qwen 2, Gemma 2, Phi-3, ...)
 _WINDOW_NAMES = ("sliding_window", "sliding_window_size", "window_size", "attention_window")
 
@@ -1353,7 +1364,7 @@ class ModuleProbe:
         if len(params) < 2:
             return None
         name = params[1].name
-        return name if any(h in name.lower() for h in _SEQUENCE_HINTS) else None
+        return name if _names_a_sequence(name) else None
 
     def _unread_sequence_argument(self) -> str | None:
         """The name of a second required input named like another sequence (encoder
