@@ -477,6 +477,37 @@ def test_pooled_matrix_equals_pooling_the_full_matrix(c, pool, reduce, stage):
     torch.testing.assert_close(got.values.double(), want, atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
+@FAST
+@given(cases, st.integers(1, 7), st.sampled_from(["max", "mean"]), st.data())
+def test_several_stages_pooled_in_one_pass_equal_each_pooled_alone(c, pool, reduce, data):
+    """One pass carries each block through the stages in place: every stage it pools
+    equals that stage pooled on its own (the causal blocks it cannot skip included)."""
+    q, kk, v, causal, window, slopes = _unpack(c)
+    _, record = _reference(q, kk, v, causal, window, slopes)
+    present = [s.value for s in AF.POOLABLE if s.value in record]
+    names = data.draw(st.lists(st.sampled_from(present), min_size=1, unique=True))
+    options = dict(pool=pool, reduce=reduce, causal=causal, window=window, bias_slopes=slopes)
+    together = AF.pooled_matrices(q, kk, stages=names, **options)
+    assert sorted(together) == sorted(names)
+    for name in names:
+        alone = AF.pooled_matrix(q, kk, stage=name, **options)
+        got = together[name]
+        assert got.stage == name and torch.equal(got.hidden, alone.hidden)
+        torch.testing.assert_close(got.values, alone.values, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_a_row_traces_pooled_stages_are_made_in_one_pass_and_kept(monkeypatch):
+    module, x = MODULES["gqa-alibi"], torch.randn(29, 8)
+    rt = module.trace(x, rows=[0])
+    calls = []
+    real = AF.pooled_matrices
+    monkeypatch.setattr(AF, "pooled_matrices", lambda *a, **k: calls.append(k) or real(*a, **k))
+    for stage in ("scores", "scaled_scores", "biased_scores", "masked_scores", "weights"):
+        assert rt.pooled(stage, pool=4).stage == stage
+    rt.pooled("weights", pool=4, reduce="mean")
+    assert [(len(k["stages"]), k["reduce"]) for k in calls] == [(5, "max"), (5, "mean")]
+
+
 @pytest.mark.parametrize("name", ["mha", "gqa-alibi", "alibi-window", "mqa-window"])
 def test_a_row_trace_pools_what_a_full_trace_pools(name):
     module, x = MODULES[name], torch.randn(29, 8)

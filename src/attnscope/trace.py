@@ -450,6 +450,7 @@ class Trace(RenderedFigures):
     _summary: AF.AttentionSummary | None = field(default=None, repr=False)
     _core: dict | None = field(default=None, repr=False)
     _deferred: dict | None = field(default=None, repr=False)
+    _pooled: dict = field(default_factory=dict, repr=False)
 
     @property
     def summary(self) -> AF.AttentionSummary:
@@ -479,7 +480,8 @@ class Trace(RenderedFigures):
     ) -> AF.PooledMatrix:
         """A matrix stage pooled over ``pool x pool`` tiles of (query, key) pairs, every
         query included: from the matrix of a full trace, and for a row trace computed again
-        block by block from the queries and keys it kept (never the whole matrix).
+        block by block from the queries and keys it kept (never the whole matrix), every
+        matrix stage of the trace in the one pass the first call makes, kept for the next.
 
         Returns a :class:`~attnscope.functional.PooledMatrix` with values ``(...,
         ceil(T / pool), ceil(S / pool))``.
@@ -489,20 +491,28 @@ class Trace(RenderedFigures):
             have = ", ".join(s.value for s in AF.POOLABLE if s.value in self)
             raise AttnScopeError(f"stage: expected one of {have} for this trace, got {stage!r}")
         if self._core is not None:
-            core = dict(self._core)
-            out = AF.pooled_matrix(
-                core.pop("queries"),
-                core.pop("keys"),
-                stage=name,
-                pool=pool,
-                reduce=reduce,
-                logsumexp=self.summary.logsumexp,
-                **core,
-            )
-            # the leading shape of the trace's matrix stages (a batch of one squeezed away)
-            lead = self.stages[name].shape[:-2]
-            out.values = out.values.reshape(*lead, *out.values.shape[-2:])
-            return out
+            # every matrix stage of the trace in the one pass the first asks for (a report
+            # draws them all); kept, picture-sized, for the next
+            key = (pool, reduce)
+            if key not in self._pooled:
+                core = dict(self._core)
+                names = [s.value for s in AF.POOLABLE if s.value in self]
+                found = AF.pooled_matrices(
+                    core.pop("queries"),
+                    core.pop("keys"),
+                    stages=names,
+                    pool=pool,
+                    reduce=reduce,
+                    logsumexp=self.summary.logsumexp,
+                    **core,
+                )
+                for stage_name, out in found.items():
+                    # the leading shape of the trace's matrix stages (a batch of one
+                    # squeezed away)
+                    lead = self.stages[stage_name].shape[:-2]
+                    out.values = out.values.reshape(*lead, *out.values.shape[-2:])
+                self._pooled[key] = found
+            return self._pooled[key][name]
         hidden = None
         if Stage.MASKED_SCORES.value in self and Stage(name).order >= Stage.MASKED_SCORES.order:
             masked = self.stages[Stage.MASKED_SCORES.value]

@@ -10,6 +10,7 @@ normaliser in a first pass, for the weights). Memory: the pooled matrix plus one
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ from .blocked import (
     _positive_int,
 )
 
-__all__ = ["PooledMatrix", "pooled_matrix", "pool_matrix", "REDUCTIONS"]
+__all__ = ["PooledMatrix", "pooled_matrix", "pooled_matrices", "pool_matrix", "REDUCTIONS"]
 
 #: the stages a pooled matrix can show, in pipeline order
 POOLABLE = (
@@ -37,6 +38,8 @@ POOLABLE = (
     Stage.WEIGHTS,
 )
 REDUCTIONS = ("max", "mean")
+#: the matrix stages in the order a block of scores passes through them
+_PIPELINE = POOLABLE
 
 
 @dataclass
@@ -131,7 +134,8 @@ def pooled_matrix(
         keys: ``(..., S, D)``; ``(B, K, S, D)`` with ``K`` dividing ``H`` are grouped heads.
         stage: ``scores``, ``scaled_scores``, ``biased_scores``, ``masked_scores`` or
             ``weights``, as :func:`~attnscope.functional.attend` makes them.
-        reduce: ``"max"`` or ``"mean"`` over the pairs of a tile that a query may see.
+        reduce: ``"max"`` or ``"mean"`` over the pairs of a tile (for ``masked_scores`` and
+            ``weights`` of a causal layer, the pairs a query may see).
         pool: tokens per tile side.
         causal, window, bias_slopes, scale: as :func:`blocked_attention`.
         logsumexp: ``(..., T)`` each query's ``log sum_j exp(logit_j)`` when already known
@@ -140,18 +144,52 @@ def pooled_matrix(
     Returns:
         a :class:`PooledMatrix` with values ``(..., ceil(T / pool), ceil(S / pool))``.
     """
-    st = _check_pool(stage, reduce, pool)
+    name = _check_pool(stage, reduce, pool).value
+    return pooled_matrices(
+        queries,
+        keys,
+        stages=(name,),
+        reduce=reduce,
+        pool=pool,
+        causal=causal,
+        window=window,
+        bias_slopes=bias_slopes,
+        scale=scale,
+        logsumexp=logsumexp,
+    )[name]
+
+
+def pooled_matrices(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    stages: Sequence[str | Stage],
+    reduce: str = "max",
+    pool: int,
+    causal: bool = False,
+    window: int | None = None,
+    bias_slopes: torch.Tensor | None = None,
+    scale: float | None = None,
+    logsumexp: torch.Tensor | None = None,
+) -> dict[str, PooledMatrix]:
+    """:func:`pooled_matrix` of several stages in one pass over the matrix: each block of
+    scores is made once and carried through the pipeline in place (scaled, biased, masked,
+    normalised), pooled at every stage asked for. Returns ``{stage name: PooledMatrix}``."""
+    want = sorted({_check_pool(st, reduce, pool) for st in stages}, key=lambda st: st.order)
+    if not want:
+        raise AttnScopeError("stages: expected at least one stage to pool, got none")
     _check(queries, keys, keys, causal, window, bias_slopes, scale, 1)  # grad refused too
     t_q, t_k = queries.shape[-2], keys.shape[-2]
     offset = t_k - t_q
-    lay = _Layout(
-        queries, keys, keys, bias_slopes if st.order >= Stage.BIASED_SCORES.order else None
-    )
+    biased = want[-1].order >= Stage.BIASED_SCORES.order
+    lay = _Layout(queries, keys, keys, bias_slopes if biased else None)
     factor = keys.shape[-1] ** -0.5 if scale is None else float(scale)
-    masks = causal and st.order >= Stage.MASKED_SCORES.order
+    masks = causal and want[-1].order >= Stage.MASKED_SCORES.order
     b, kv, g, n, d = lay.q.shape
     k_all = lay.k.squeeze(2)
-    q_all = lay.q if st is Stage.SCORES else lay.q * factor  # the scale, once
+    # the scale folded into the queries once, unless the raw scores are pooled too
+    first = Stage.SCORES if want[0] is Stage.SCORES else Stage.SCALED_SCORES
+    q_all = lay.q if first is Stage.SCORES else lay.q * factor
     # blocks are whole tiles: about as many entries as the blocked core's
     side = max(1, math.isqrt(_BLOCK_ENTRIES // max(1, b * kv * g)))
     blk = pool * max(1, side // pool)
@@ -161,63 +199,81 @@ def pooled_matrix(
         """Whether no query of q0..q1 may see any key of k0..k1 (nothing to compute)."""
         if not causal:
             return False
-        first, last = q0 + offset, q1 - 1 + offset
-        return k0 > last or (window is not None and k1 - 1 <= first - window)
+        lo, hi = q0 + offset, q1 - 1 + offset
+        return k0 > hi or (window is not None and k1 - 1 <= lo - window)
 
-    def logits(q0: int, q1: int, k0: int, k1: int):
-        """The stage's values before the softmax for queries q0..q1, keys k0..k1, and
-        which pairs a query may see."""
-        qpos = torch.arange(q0, q1, device=queries.device) + offset
+    def block(q0: int, q1: int, k0: int, k1: int):
+        """The scores (raw or scaled, ``first``) of queries q0..q1 and keys k0..k1."""
         q = q_all[:, :, :, q0:q1, :].reshape(b, kv, g * (q1 - q0), d)
-        s = (q @ k_all[:, :, k0:k1, :].transpose(-2, -1)).view(b, kv, g, q1 - q0, k1 - k0)
-        if lay.slopes is not None:
-            s += _bias_block(lay.slopes, qpos, kpos_all[k0:k1], s.dtype)
-        if not _hides_some(q0 + offset, q1 - 1 + offset, k0, k1, masks, window):
-            return s, None
-        hide = _hidden(qpos, kpos_all[k0:k1], masks, window)
-        return s.masked_fill_(hide, -torch.inf), ~hide
+        return (q @ k_all[:, :, k0:k1, :].transpose(-2, -1)).view(b, kv, g, q1 - q0, k1 - k0)
+
+    def advance(s, at: Stage, to: Stage, q0, q1, k0, k1, lse):
+        """``s`` carried in place from stage ``at`` to stage ``to``; with which pairs a
+        query may see once masked (None: all)."""
+        visible = None
+        qpos = torch.arange(q0, q1, device=queries.device) + offset
+        for step in _PIPELINE[_PIPELINE.index(at) + 1 : _PIPELINE.index(to) + 1]:
+            if step is Stage.SCALED_SCORES:
+                s.mul_(factor)
+            elif step is Stage.BIASED_SCORES and lay.slopes is not None:
+                s += _bias_block(lay.slopes, qpos, kpos_all[k0:k1], s.dtype)
+            elif step is Stage.MASKED_SCORES and _hides_some(
+                q0 + offset, q1 - 1 + offset, k0, k1, masks, window
+            ):
+                hide = _hidden(qpos, kpos_all[k0:k1], masks, window)
+                s.masked_fill_(hide, -torch.inf)
+                visible = ~hide
+            elif step is Stage.WEIGHTS:
+                s.sub_(lse[..., q0:q1, :]).exp_()
+        return s, visible
 
     lse = None
-    if st is Stage.WEIGHTS and logsumexp is not None:
+    if Stage.WEIGHTS in want and logsumexp is not None:
         lse = logsumexp.reshape(b, kv, g, n, 1)
-    elif st is Stage.WEIGHTS:  # the softmax's normaliser, one pass: log sum_j exp(s_ij)
+    elif Stage.WEIGHTS in want:  # the softmax's normaliser, one pass: log sum_j exp(s_ij)
         lse = queries.new_full((b, kv, g, n, 1), -torch.inf)
         for q0 in range(0, n, blk):
             q1 = min(q0 + blk, n)
             for k0 in range(0, t_k, blk):
-                if unseen(q0, q1, k0, min(k0 + blk, t_k)):
+                k1 = min(k0 + blk, t_k)
+                if unseen(q0, q1, k0, k1):
                     continue
-                s, _ = logits(q0, q1, k0, min(k0 + blk, t_k))
+                s = block(q0, q1, k0, k1)
+                s, _ = advance(s, first, Stage.MASKED_SCORES, q0, q1, k0, k1, None)
                 lse[..., q0:q1, :] = torch.logaddexp(
                     lse[..., q0:q1, :], torch.logsumexp(s, -1, keepdim=True)
                 )
     R, C = -(-n // pool), -(-t_k // pool)
-    out = queries.new_empty(b, kv, g, R, C)
-    count = torch.zeros(R, C, dtype=torch.long, device=queries.device)
+    # tiles never written (hidden from every query) keep -inf and a count of 0
+    outs = {st: queries.new_full((b, kv, g, R, C), -torch.inf) for st in want}
+    counts = {st: torch.zeros(R, C, dtype=torch.long, device=queries.device) for st in want}
+    # only the masked stages may skip a block no query sees: the others show every pair
+    skip = masks and want[0].order >= Stage.MASKED_SCORES.order
     for q0 in range(0, n, blk):
         q1 = min(q0 + blk, n)
-        row = []
         for k0 in range(0, t_k, blk):
             k1 = min(k0 + blk, t_k)
-            if masks and unseen(q0, q1, k0, k1):  # hidden tiles: no count, any value
-                r, c = -(-(q1 - q0) // pool), -(-(k1 - k0) // pool)
-                row.append(queries.new_full((b, kv, g, r, c), -torch.inf))
+            if skip and unseen(q0, q1, k0, k1):
                 continue
-            s, visible = logits(q0, q1, k0, k1)
-            if lse is not None:
-                s = s.sub_(lse[..., q0:q1, :]).exp_()
-            tiles, seen = _tiles(s, visible, pool, reduce)
-            row.append(tiles)
-            count[
-                q0 // pool : q0 // pool + seen.shape[0], k0 // pool : k0 // pool + seen.shape[1]
-            ] = seen
-        out[..., q0 // pool : q0 // pool + row[0].shape[-2], :] = torch.cat(row, -1)
-    hidden = count == 0
-    if reduce == "mean":
-        out = out / count.clamp(min=1)
-        out = out.masked_fill(hidden, torch.nan)
-    values = out.reshape(*lay.shape, R, C)
-    return PooledMatrix(values, hidden, pool, reduce, st.value, n, t_k)
+            s, at, visible = block(q0, q1, k0, k1), first, None
+            for st in want:  # in pipeline order, each made in place from the one before
+                s, seen_now = advance(s, at, st, q0, q1, k0, k1, lse)
+                visible = seen_now if seen_now is not None else visible
+                at = st
+                masked = st.order >= Stage.MASKED_SCORES.order
+                tiles, count = _tiles(s, visible if masked else None, pool, reduce)
+                r0, c0 = q0 // pool, k0 // pool
+                outs[st][..., r0 : r0 + tiles.shape[-2], c0 : c0 + tiles.shape[-1]] = tiles
+                counts[st][r0 : r0 + count.shape[0], c0 : c0 + count.shape[1]] = count
+    found = {}
+    for st in want:
+        out, count = outs[st], counts[st]
+        hidden = count == 0
+        if reduce == "mean":
+            out = (out / count.clamp(min=1)).masked_fill(hidden, torch.nan)
+        values = out.reshape(*lay.shape, R, C)
+        found[st.value] = PooledMatrix(values, hidden, pool, reduce, st.value, n, t_k)
+    return found
 
 
 def pool_matrix(
