@@ -79,12 +79,14 @@ class _Cosine(nn.Module):
     """Cosine attention (Swin v2, open_clip's scaled_cosine): q and k normalised to unit
     length, times a learned per-head logit scale; with ``normalise=False`` only the factor."""
 
-    def __init__(self, d=32, heads=4, normalise=True):
+    def __init__(self, d=32, heads=4, normalise=True, temperature=None):
         super().__init__()
         torch.manual_seed(1)
         self.h, self.normalise = heads, normalise
         self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
         scales = torch.tensor([4.0, 8.0, 16.0, 30.0]).view(heads, 1, 1)
+        if temperature is not None:  # one fixed temperature for every head
+            scales = torch.tensor(float(temperature))
         self.logit_scale = nn.Parameter(torch.log(scales))
 
     def forward(self, x):
@@ -99,9 +101,12 @@ class _Cosine(nn.Module):
         return self.out(ctx.transpose(1, 2).reshape(b, t, d))
 
 
-def test_cosine_attention_is_refused_not_judged():
+@pytest.mark.parametrize("temperature", [None, 10.0])
+def test_cosine_attention_is_refused_not_judged(temperature):
+    """Per-head logit scales reproduce no scores; one temperature for all heads would read
+    as a wrong scale: both are cosine attention's design, refused."""
     with pytest.raises(AttnScopeError, match="not supported yet: cosine attention") as info:
-        check(lambda: _Cosine(), kind="multihead")
+        check(lambda: _Cosine(temperature=temperature), kind="multihead")
     assert "test_check_unmodelled.py:" in str(info.value)
 
 

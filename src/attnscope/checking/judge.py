@@ -354,6 +354,10 @@ class Judge:
         hit = self._explain_quickly()
         if hit is not None:
             mut, stages = hit
+            if mut.stage is Stage.SCALED_SCORES:
+                # queries and keys of unit length (cosine attention) are scaled by design
+                # by a temperature of their own: a scale then is no mistake to name
+                self._refuse_unmodelled(only="cosine")
             user = stages.get(mut.stage.value)
             user0 = user[0] if user is not None and user.dim() >= 2 else user
             where = self._where(mut, stages, call)
@@ -367,11 +371,17 @@ class Judge:
         failure, user0 = self._fallback(found, refs, call)
         return self._report(failure, found, refs, self._dims(call), user0, explained=False)
 
-    def _refuse_unmodelled(self) -> None:
+    def _refuse_unmodelled(self, only: str | None = None) -> None:
         """No known mistake explains the output, and the computation does something the
         reference does not model: that, not a verdict (which would blame correct code for a
-        feature the checker cannot follow)."""
-        seen = list(self.unmodelled)
+        feature the checker cannot follow). ``only``: the operations whose description
+        starts so."""
+        seen = [(w, at) for w, at in self.unmodelled if only is None or w.startswith(only)]
+        if only is not None:
+            if seen:
+                what, where = seen[0]
+                raise Unsupported(f"not supported yet: {what}" + (f" at {where}" if where else ""))
+            return
         rope = self.spec.rope if self.spec is not None else None
         if rope is not None and not rope.linear:
             seen.insert(
