@@ -22,12 +22,15 @@ class _SeqFirst(nn.Module):
     """Sequence-first ``(T, B, d)`` attention with scores laid out ``[i, j, b, h]`` (labml's
     einsum style), a boolean causal mask ``[i, j, 1, 1]``, and an optional ALiBi bias."""
 
-    def __init__(self, heads=4, d=32, alibi=False, slopes=None, sign=1.0, softmax_dim=1):
+    def __init__(
+        self, heads=4, d=32, alibi=False, slopes=None, sign=1.0, softmax_dim=1, causal=True
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.h, self.dk = heads, d // heads
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
         self.alibi, self.sign, self.softmax_dim = alibi, sign, softmax_dim
+        self.causal = causal
         self.register_buffer("slopes", alibi_slopes(heads).float() if slopes is None else slopes)
 
     def forward(self, x):  # (T, B, d)
@@ -37,10 +40,15 @@ class _SeqFirst(nn.Module):
         v = self.v(x).view(t, b, self.h, self.dk)
         scores = torch.einsum("ibhd,jbhd->ijbh", q, k) / math.sqrt(self.dk)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[:, :, None, None]
-        if self.alibi:  # the key-position form: slope * (j + 1) under the causal mask
+        if self.alibi and self.causal:  # the key-position form: slope * (j + 1), causal
             distance = mask[:, :, 0, 0].to(x.dtype).cumsum(-1)
             scores = scores + self.sign * distance[:, :, None, None] * self.slopes
-        scores = scores.masked_fill(~mask, float("-inf"))
+        elif self.alibi:  # bidirectional: -slope * |i - j|, subtracted
+            pos = torch.arange(t, dtype=x.dtype)
+            distance = (pos[None, :] - pos[:, None]).abs()
+            scores = scores - self.sign * distance[:, :, None, None] * self.slopes
+        if self.causal:
+            scores = scores.masked_fill(~mask, float("-inf"))
         attn = scores.softmax(dim=self.softmax_dim)
         return self.o(torch.einsum("ijbh,jbhd->ibhd", attn, v).reshape(t, b, -1))
 
@@ -66,6 +74,14 @@ def test_sequence_first_alibi_passes_and_its_slopes_and_sign_are_judged():
     wrong = check(lambda: _BatchFirst(_SeqFirst(alibi=True, slopes=two_alike)))
     assert _outcome(wrong) == ("biased_scores", "bias_slopes"), wrong.to_text(color=False)
     flipped = check(lambda: _BatchFirst(_SeqFirst(alibi=True, sign=-1.0)))
+    assert _outcome(flipped) == ("biased_scores", "bias_sign"), flipped.to_text(color=False)
+
+
+def test_sequence_first_bidirectional_alibi_subtracted_passes_and_its_sign_is_judged():
+    report = check(lambda: _BatchFirst(_SeqFirst(alibi=True, causal=False)))
+    assert _outcome(report) == ("ok",), report.to_text(color=False)
+    assert report.structure["bias"] == "alibi"
+    flipped = check(lambda: _BatchFirst(_SeqFirst(alibi=True, causal=False, sign=-1.0)))
     assert _outcome(flipped) == ("biased_scores", "bias_sign"), flipped.to_text(color=False)
 
 

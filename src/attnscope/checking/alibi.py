@@ -133,6 +133,8 @@ def is_symmetric(tensor: T, scores_shape: tuple[int, ...]) -> bool:
         e = tensor.detach().to(torch.float64).expand(scores_shape)
     except RuntimeError:
         return False
+    if e.dim() >= 3 and e.shape[-1] != e.shape[-2] and e.shape[0] == e.shape[1]:
+        e = e.movedim((0, 1), (-2, -1))  # scores laid out sequence-first, [i, j, b, h]
     n_q, n_k = e.shape[-2], e.shape[-1]
     if n_q != n_k or n_q < 3:
         return False
