@@ -20,11 +20,8 @@ _OPEN = {
     "the queries' input: refused (given), passed as self-attention (inferred)",
     "r9/b16_coca_single_key_head_unrotated": "one fused projection for queries, one key "
     "head, one value head and the feed-forward branch: refused",
-    "r9/b20_labml_softmax_dim0": ("inferred", "sequence-first with the kind inferred: scores"),
     "r9/b21_tgi_kv_head_mapping_repeat": "a flattened batch with a fused projection read "
     "through torch.mm: no projection found",
-    "r9/b22_labml_alibi_mhat_step": "ALiBi with wrong slopes judged at the scores",
-    "r9/b23_labml_alibi_subtracted": "ALiBi subtracted judged at the scores",
     "r9/c14_tgi_flash_llama_flat": "a flattened batch with a fused projection read through "
     "torch.mm: no projection found",
     "r9/c15_pixart_cross_blockdiag": "a block-diagonal mask (a batch packed into one "
@@ -33,10 +30,6 @@ _OPEN = {
     "head and the feed-forward branch: refused",
     "r9/c18_zamba2_shared_lora_attn": "an input concatenated with the original embeddings: "
     "the check raised",
-    "r9/r02_openclip_scaled_cosine": "cosine attention given a verdict (not_dot_product)",
-    "r9/r03_eva02_rope_2d": "2D rotary given a verdict (not_dot_product)",
-    "r9/r04_llama4_chunked_attention": "chunked attention passed (identical at the probe's length)",
-    "r9/r05_imagebind_add_bias_kv": "learned bias keys and values given a verdict",
 }
 
 

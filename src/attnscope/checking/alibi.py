@@ -48,19 +48,11 @@ class Alibi:
         return alibi_bias(self.slopes, n, self.symmetric)
 
 
-def read_slopes(tensor: T, scores_shape: tuple[int, ...], heads: int) -> T | None:
-    """Per head, the step the bias takes from one key to the next before the query,
-    ``(H,)``; None when the tensor cannot be read per head."""
-    try:
-        e = tensor.detach().to(torch.float64).expand(scores_shape)
-    except RuntimeError:
-        return None
-    n_k = e.shape[-1]
-    if e.numel() % (heads * n_k * e.shape[-2]):
-        return None
-    e = e.reshape(-1, heads, e.shape[-2], n_k)  # (B, H, T_q, T_k)
+def _steps(e: T, heads: int) -> T | None:
+    """Per head, the median step from key ``j`` to ``j + 1`` before the query, for a bias
+    laid out ``(B, H, T_q, T_k)``; None where a head has no such step."""
     d = e[..., 1:] - e[..., :-1]  # step from key j to j + 1
-    n_q = e.shape[-2]
+    n_q, n_k = e.shape[-2], e.shape[-1]
     before = torch.ones(n_q, n_k - 1, dtype=torch.bool).tril(n_k - n_q - 1)  # j + 1 <= i
     ok = torch.isfinite(d) & (e[..., 1:] > -1e4) & (e[..., :-1] > -1e4) & before
     slopes = []
@@ -72,12 +64,77 @@ def read_slopes(tensor: T, scores_shape: tuple[int, ...], heads: int) -> T | Non
     return torch.stack(slopes)
 
 
+def _fits(e: T, slopes: T) -> bool:
+    """Whether ``e`` ``(B, H, T_q, T_k)`` is ``slope_h * j`` plus a constant per query row
+    on the keys up to the query (where the causal part of a bias lies), where finite."""
+    n_q, n_k = e.shape[-2], e.shape[-1]
+    j = torch.arange(n_k, dtype=torch.float64)
+    rest = e - slopes[None, :, None, None] * j
+    up_to = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+    finite = torch.isfinite(e) & (e > -1e4) & up_to
+    rows = rest.masked_fill(~finite, float("nan"))
+    spread = (rows - rows.nanmean(-1, keepdim=True)).nan_to_num(0).abs()
+    return bool((spread < 1e-6 * (1 + e[finite].abs().amax())).all()) if finite.any() else False
+
+
+def _per_head(tensor: T, scores_shape: tuple[int, ...], heads: int) -> list[T]:
+    """The bias as ``(B, H, T_q, T_k)``: read as laid out ``(..., H, T_q, T_k)`` first,
+    then, for scores in another layout (sequence-first ``[T_q, T_k, B, H]``), each order of
+    its axes that puts a head-sized axis and two token axes last."""
+    try:
+        e = tensor.detach().to(torch.float64).expand(scores_shape)
+    except RuntimeError:
+        return []
+    out = []
+    n_q, n_k = e.shape[-2], e.shape[-1]
+    if e.numel() % (heads * n_k * n_q) == 0:
+        out.append(e.reshape(-1, heads, n_q, n_k))
+    if e.dim() > 4:
+        return out
+    axes = range(e.dim())
+    for a_h in axes:
+        for a_q in axes:
+            for a_k in axes:
+                if len({a_h, a_q, a_k}) < 3 or (a_h, a_q, a_k) == (
+                    e.dim() - 3,
+                    e.dim() - 2,
+                    e.dim() - 1,
+                ):
+                    continue
+                if e.shape[a_h] != heads or e.shape[a_q] < 2 or e.shape[a_k] < 2:
+                    continue
+                rest = [a for a in axes if a not in (a_h, a_q, a_k)]
+                p = e.permute(*rest, a_h, a_q, a_k)
+                out.append(p.reshape(-1, heads, e.shape[a_q], e.shape[a_k]))
+    return out
+
+
+def read_slopes(tensor: T, scores_shape: tuple[int, ...], heads: int) -> T | None:
+    """Per head, the step the bias takes from one key to the next before the query,
+    ``(H,)``; None when the tensor cannot be read per head. Scores laid out otherwise than
+    ``(..., H, T_q, T_k)`` are read in the order of axes in which the bias is ``slope_h *
+    j`` plus a constant per query row."""
+    views = _per_head(tensor, scores_shape, heads)
+    first = None
+    for i, e in enumerate(views):
+        slopes = _steps(e, heads)
+        if slopes is None:
+            continue
+        if i == 0:
+            first = slopes
+        if _fits(e, slopes):
+            return slopes
+    return first
+
+
 def is_symmetric(tensor: T, scores_shape: tuple[int, ...]) -> bool:
     """Whether the bias falls off after the query as it does before it (``-|i - j|``)."""
     try:
         e = tensor.detach().to(torch.float64).expand(scores_shape)
     except RuntimeError:
         return False
+    if e.dim() >= 3 and e.shape[-1] != e.shape[-2] and e.shape[0] == e.shape[1]:
+        e = e.movedim((0, 1), (-2, -1))  # scores laid out sequence-first, [i, j, b, h]
     n_q, n_k = e.shape[-2], e.shape[-1]
     if n_q != n_k or n_q < 3:
         return False

@@ -24,9 +24,12 @@ T = torch.Tensor
 
 _SCALAR_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "__rtruediv__", "mul_", "div_"}
 _ROTARY_CALLS = {"view_as_complex", "view_as_real", "polar", "complex"}
+#: norms that make a vector unit length (F.normalize, x / x.norm()): cosine attention
+_UNIT_NORMS = {"normalize", "norm", "vector_norm", "linalg_vector_norm"}
 _NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt", "normalize", "norm", "vector_norm"}
 MASKING_OPS = {"masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub"}
-MASKING_OPS |= {"__sub__", "mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
+MASKING_OPS |= {"__sub__", "sub_"}
+MASKING_OPS |= {"mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
 
 
 #: calls that write into a tensor in place (a KV cache's update)
@@ -63,6 +66,32 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
     for half in range(1, n - 1):  # keys within `half` positions on either side (local)
         if torch.equal(h, ones.triu(half + 1) | ones.tril(-half - 1)):
             return ("band", half)
+    return None
+
+
+def tokens_last(hidden: T) -> T:
+    """A mask laid out tokens first, ``[T_q, T_k, ...]`` (sequence-first layers' scores
+    ``[i, j, batch, heads]``), with its two token axes moved last; any other as it is."""
+    if hidden.dim() < 3 or hidden.shape[-1] == hidden.shape[-2] > 1:
+        return hidden
+    if hidden.shape[0] != hidden.shape[1] or hidden.shape[0] < 2:
+        return hidden
+    return hidden.movedim((0, 1), (-2, -1))
+
+
+def causal_chunks(hidden: T) -> int | None:
+    """The chunk size ``c`` of a causal mask within chunks (Llama 4's chunked attention:
+    query ``i`` sees key ``j`` where ``j <= i`` and ``i // c == j // c``), or None."""
+    if hidden.dim() < 2 or hidden.shape[-1] != hidden.shape[-2] or hidden.shape[-1] < 3:
+        return None
+    h = hidden.reshape(-1, *hidden.shape[-2:])[0].bool()
+    n = h.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+    pos = torch.arange(n)
+    for c in range(2, n):
+        chunk = pos // c
+        if torch.equal(h, causal | (chunk[:, None] != chunk[None, :])):
+            return c
     return None
 
 
@@ -105,6 +134,7 @@ class Features:
         for core in s.cores:
             for role, node in (("queries", core.q_node), ("keys", core.k_node)):
                 self._qk_path(role, node)
+            self._joined_rows(core)
             self._score_path(core)
 
     def _cached(self, core: Core) -> None:
@@ -179,6 +209,13 @@ class Features:
                 self.s.qk_norm.setdefault(
                     role, (f"a norm applied to the {role} (QK norm)", op.location)
                 )
+                if name in _UNIT_NORMS:
+                    self._unmodelled(
+                        f"cosine attention (the {role} normalised to unit length by {name}: "
+                        "scores that are cosine similarities, scaled by a factor of their "
+                        "own?)",
+                        op.location,
+                    )
                 continue
             if name in LAYOUT_OPS or name not in (_SCALAR_OPS | {"add", "__add__", "sub"}):
                 continue
@@ -197,6 +234,53 @@ class Features:
                     else f"a position- or feature-dependent factor on the {role}"
                 )
                 self.s.rotary.setdefault(role, (what, op.location))
+
+    def _unmodelled(self, what: str, where: str | None) -> None:
+        if not any(w == what for w, _ in self.s.unmodelled):
+            self.s.unmodelled.append((what, where))
+
+    def _joined_rows(self, core: Core) -> None:
+        """Rows not made from the input joined to the keys or values (``nn.MultiheadAttention``
+        with ``add_bias_kv``: a learned bias key and value; ``add_zero_attn``: zeros)."""
+        stops = {p.op.index for ps in self.s.roles.values() for p in ps}
+        for role, node in (("keys", core.k_node), ("values", core.v_node)):
+            if node is None:
+                continue
+            for op in self._path(node, stops) + [self.ops[node]]:
+                if op.name not in ("cat", "concat", "concatenate") or op.leaf is not None:
+                    continue
+                if not any(self.g.tainted[a] for a in op.args):
+                    continue
+                joined = [
+                    a for a in op.args if not self.g.tainted[a] and self.ops[a].output.numel()
+                ]
+                if not joined:
+                    continue
+                learned = any(self.g.param[a] for a in joined)
+                what = "learned bias key/value rows" if learned else "constant rows"
+                self._unmodelled(
+                    f"{what} joined to the {role} (nn.MultiheadAttention's add_bias_kv or "
+                    "add_zero_attn: a bias key/value slot every query attends to)",
+                    op.location,
+                )
+
+    def _varying_factor(self, op: Op, reach: set[int]) -> None:
+        """A factor on the scores that differs by head or position and is no 0/1 mask (a
+        learned per-head temperature, cosine attention's logit scale)."""
+        if op.name not in ("mul", "__mul__", "__rmul__", "mul_", "div", "__truediv__", "div_"):
+            return
+        for a in op.args:
+            if a in reach or self.g.tainted[a]:
+                continue
+            t = self.ops[a].output.detach()
+            if t.numel() <= 1 or not t.is_floating_point():
+                continue
+            flat = t.flatten().double()
+            if bool((flat == flat[0]).all()) or bool(((flat == 0) | (flat == 1)).all()):
+                continue
+            learned = self.g.param[a]
+            what = "a learned factor" if learned else "a factor that varies by head or position"
+            self._unmodelled(f"{what} multiplying the scores", op.location)
 
     def _score_path(self, core: Core) -> None:
         s = self.s
@@ -220,6 +304,8 @@ class Features:
                     learned = any(self.g.param[a] for a in joined)
                     what = "a learned logit (attention sink)" if learned else "a constant logit"
                     self._refuse(f"{what} joined to the scores before the softmax", op.location)
+            if i != start:
+                self._varying_factor(op, reach)
             if op.name not in MASKING_OPS or i == start:
                 continue
             evidence = self._mask_of(op, reach)
@@ -314,6 +400,10 @@ class Features:
             return None
         if name in ("mul", "__mul__", "__rmul__", "mul_"):
             return self._judge_hidden(t == 0, "a multiplicative mask")
+        if name in ("sub", "__sub__", "sub_"):
+            if consts[0][0] == 0:
+                return None  # a tensor minus the scores: the scores negated, not a bias
+            t = -t  # the scores minus a tensor: that tensor's negative added
         # additive: a mask (0 / very negative) or a bias (many finite values)
         t64 = t.double()
         finite = t64[torch.isfinite(t64) & (t64 > -1e4)]
@@ -327,8 +417,16 @@ class Features:
         return self._judge_hidden(~torch.isfinite(t64) | (t64 < -1e4), "an additive mask")
 
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
+        hidden = tokens_last(hidden)
         shape = mask_shape(hidden)
         if shape is None:
+            chunk = causal_chunks(hidden)
+            if chunk is not None:
+                return (
+                    "band",
+                    f"chunked attention (each query sees the keys of its own chunk of {chunk} "
+                    f"tokens up to itself: a block-diagonal causal mask, {how})",
+                )
             if _other_pattern(hidden):
                 return (
                     "band",

@@ -24,6 +24,7 @@ import torch
 from ..errors import AttnScopeError
 from ..stages import Dims, Kind, Stage, stages_for_kind
 from .compare import Found, close, find_stage
+from .features import Unsupported
 from .mistakes import MISTAKES, Context, Evidence, catalogue, recognise
 from .mistakes.scores import describe_scale, with_scale
 from .record import Op, Recorder, SdpaCall
@@ -142,6 +143,11 @@ class Judge:
         self.w: Weights | None = None
         #: (stage, message, location) when the target's output is not deterministic
         self.varies: tuple[Stage, str, str | None] | None = None
+        #: (what, line) of operations seen in the computation that the reference does not
+        #: model (see :attr:`.layer.Structure.unmodelled`); a rotation read where the
+        #: layer's rotary is
+        self.unmodelled: list[tuple[str, str | None]] = []
+        self.rotary_at: str | None = None
 
     def _stage_list(self) -> list[Stage]:
         stages = list(stages_for_kind(self.kind))
@@ -348,17 +354,47 @@ class Judge:
         hit = self._explain_quickly()
         if hit is not None:
             mut, stages = hit
+            if mut.stage is Stage.SCALED_SCORES:
+                # queries and keys of unit length (cosine attention) are scaled by design
+                # by a temperature of their own: a scale then is no mistake to name
+                self._refuse_unmodelled(only="cosine")
             user = stages.get(mut.stage.value)
             user0 = user[0] if user is not None and user.dim() >= 2 else user
             where = self._where(mut, stages, call)
             failure = Failure(mut.stage, mut.code, self._message(mut, where), where)
             return self._report(failure, found, refs, self._dims(call), user0, user)
+        self._refuse_unmodelled()
         self._check_shape(call)
         if not bool(torch.isfinite(call.out).all()):
             failure = self._non_finite(call)
             return self._report(failure, found, refs, self._dims(call), explained=False)
         failure, user0 = self._fallback(found, refs, call)
         return self._report(failure, found, refs, self._dims(call), user0, explained=False)
+
+    def _refuse_unmodelled(self, only: str | None = None) -> None:
+        """No known mistake explains the output, and the computation does something the
+        reference does not model: that, not a verdict (which would blame correct code for a
+        feature the checker cannot follow). ``only``: the operations whose description
+        starts so."""
+        seen = [(w, at) for w, at in self.unmodelled if only is None or w.startswith(only)]
+        if only is not None:
+            if seen:
+                what, where = seen[0]
+                raise Unsupported(f"not supported yet: {what}" + (f" at {where}" if where else ""))
+            return
+        rope = self.spec.rope if self.spec is not None else None
+        if rope is not None and not rope.linear:
+            seen.insert(
+                0,
+                (
+                    "rotary position embedding whose angles are not position x frequency "
+                    "(a 2-D rotary over an image's rows and columns, or tokens left unrotated?)",
+                    self.rotary_at,
+                ),
+            )
+        if seen:
+            what, where = seen[0]
+            raise Unsupported(f"not supported yet: {what}" + (f" at {where}" if where else ""))
 
     def _check_shape(self, call: Call) -> None:
         """An output of another shape that no known mistake explains cannot be judged."""

@@ -76,6 +76,11 @@ class Structure:
     #: (what, line) where the keys and values are written into a cache the scores read
     #: whole, more keys than the sequence has (a KV cache the forward requires)
     cache: tuple[str, str | None] | None = None
+    #: (what, line) of operations on the queries, keys, values or scores that the reference
+    #: does not model (unit-length normalisation, a varying factor on the scores, rows
+    #: joined to the keys): where no reading and no known mistake explains the output, the
+    #: layer is refused naming the first, not given a verdict
+    unmodelled: list[tuple[str, str | None]] = field(default_factory=list)
 
     @property
     def weightless(self) -> bool:

@@ -399,6 +399,7 @@ class ModuleProbe:
             binding = bind_structure(st, layer, self.module)
         self.binding = binding
         tokens = self._tokens(binding)
+        self._mask_when_longer(st, binding.d_in, tokens)
         x = torch.randn(BATCH, tokens, binding.d_in, generator=self.gen)
         self.calls = self._probe(x)
         if self.kind is None:
@@ -546,6 +547,36 @@ class ModuleProbe:
                 f"a sliding window of {long.window[0]} keys read from a {n}-token call"
                 + (f" (its mask at {long.window[1]})" if long.window[1] else "")
             )
+
+    def _mask_when_longer(self, st: Structure, d_in: int, tokens: int) -> None:
+        """A mask read as causal (or a window) at the probe's length may be a pattern that
+        only shows on longer inputs (Llama 4's chunked attention is causal within chunks of
+        a few tokens): the mask is read once more on a longer input, and a pattern the
+        checker does not model there is refused."""
+        if self.fixed_tokens is not None or self.cross or st.causal is None:
+            return
+        if st.causal.startswith("is_causal"):
+            return  # the kernel's own causal mask: the same at every length
+        limit = self._context_limit()
+        longer = min(4 * tokens + 5, 40) if limit is None else min(4 * tokens + 5, 40, limit)
+        if longer <= tokens + 1:
+            return
+        gen = torch.Generator().manual_seed(len(self.tgt.text) + longer)
+        x = torch.randn(BATCH, longer, d_in, generator=gen)
+        rec = self._recorder(x)
+        with rec:
+            _, err = self._invoke(x)
+        if err is not None:
+            return
+        try:
+            read_structure(rec, self.module)
+        except Unsupported as exc:
+            raise Unsupported(
+                f"{self.tgt.text}: {exc} (its mask, read as {st.causal.split(' (')[0]} at "
+                f"{tokens} tokens, shows this at {longer})"
+            ) from None
+        except AttnScopeError:
+            return
 
     def _inherit_tokens_first(self) -> None:
         """A layer that says it takes ``(tokens, batch, d)`` (see :func:`_says_tokens_first`)
@@ -1778,6 +1809,9 @@ class ModuleProbe:
             else None,
         )
         judge.varies = self._varies()
+        if self.structure is not None:
+            judge.unmodelled = list(self.structure.unmodelled)
+            judge.rotary_at = next(iter(self.structure.rotary.values()), (None, None))[1]
         judge.keys_named_first = self.structure is not None and keys_named_first(self.structure)
         report = judge.run(options)
         report.structure = self._structure_report(judge.spec or options[0][1])

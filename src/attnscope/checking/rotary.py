@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class Rope:
     #: where that side is not rotated or its positions are not a run (0 is the convention;
     #: both sides shifted alike change no score)
     offsets: tuple[float | None, float | None] = (0.0, 0.0)
+    #: whether the layer's angles are position x frequency (False: angles of another
+    #: form, a 2-D rotary over rows and columns of an image, which this does not model)
+    linear: bool = field(default=True, compare=False)
 
     @property
     def rot(self) -> int:
@@ -421,11 +424,11 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
     layout = pick.pairing if pick.is_rotation() else pick.laid_out_for()
     if layout is None:
         return None
-    _, freqs = read_side(pick, layout)
+    reading, freqs = read_side(pick, layout)
     if freqs is None:
         return None
     offsets = tuple(
         read_side(t, layout)[0].offset if t is not None and t.is_rotation() else None
         for t in (q_tables, k_tables)
     )
-    return Rope(layout, tuple(float(f) for f in freqs), head_dim, offsets)
+    return Rope(layout, tuple(float(f) for f in freqs), head_dim, offsets, reading.linear)

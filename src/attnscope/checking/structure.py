@@ -682,6 +682,16 @@ class _Reader:
             head_dim=e // heads,
             cores=[Core(q_node, op.args[1], op.args[2], e // heads, fused=op)],
         )
+        if a.get("bias_k") is not None or a.get("bias_v") is not None:
+            raise Unsupported(
+                "not supported yet: learned bias key/value rows appended to every sequence's "
+                f"keys and values (add_bias_kv) at {op.location}"
+            )
+        if a.get("add_zero_attn"):
+            raise Unsupported(
+                "not supported yet: a zero key/value row appended to every sequence's keys and "
+                f"values (add_zero_attn) at {op.location}"
+            )
         if a.get("is_causal"):
             s.causal = f"is_causal=True at {op.location}"
         mask = a.get("attn_mask")
