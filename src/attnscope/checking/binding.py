@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import AttnScopeError
 from .reference import Weights
-from .structure import Projection, Structure, role_hint
+from .structure import Projection, Structure, Unsupported, role_hint
 
 __all__ = ["Binding", "bind_names", "bind_structure", "WEIGHT_HELP"]
 
@@ -151,8 +151,18 @@ def bind_structure(st: Structure, layer: nn.Module, root: nn.Module | None = Non
 
 def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pair], str]]:
     roles, shared = st.roles, st.shared
+    for role, projs in roles.items():
+        if len({p.w.shape[0] for p in projs}) > 1:
+            where = ", ".join(p.source for p in projs)
+            raise Unsupported(
+                f"not supported yet: the {_NAMES[role]} made by projections of inputs of "
+                f"different widths ({where}) at {projs[0].op.location}"
+            )
     if shared.get("k") == "q" and shared.get("v") == "q":  # one combined qkv weight
         ((w, b),) = [_cat([_intended(p) for p in roles["q"]])]
+        if st.block is not None:  # the weight makes more than the attention: its block
+            c = slice(*st.block)
+            w, b = w[:, c], _cut(b, c)
         guessed = _combined(st, w, b)
         # the cut the computation makes, where no convention's layout is it
         traced = [t for t in _traced(st, w, b) if not any(_same(t[0], g[0]) for g in guessed)]
@@ -226,6 +236,9 @@ def _traced(st: Structure, w: T, b: T | None) -> list:
 
 def _same(a: tuple, b: tuple) -> bool:
     return all(torch.equal(x[0], y[0]) for x, y in zip(a, b, strict=True))
+
+
+_NAMES = {"q": "queries", "k": "keys", "v": "values"}
 
 
 def _packed(st: Structure, root: nn.Module) -> list:

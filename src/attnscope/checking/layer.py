@@ -67,6 +67,9 @@ class Structure:
     bias: object | None = None
     #: features per role, all heads together ("q", "k", "v"), as the computation reads them
     widths: dict[str, int] = field(default_factory=dict)
+    #: the columns of one combined weight that make the queries, keys and values, where it
+    #: makes more (a parallel block's feed-forward input): ``(start, end)``
+    block: tuple[int, int] | None = None
     #: the line where the scores go through a tanh (logit soft-capping, Gemma 2)
     softcap: str | None = None
     #: one combined projection: the columns each role ("q", "k", "v") reads, heads in

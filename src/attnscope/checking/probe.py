@@ -74,6 +74,7 @@ _SEQUENCE_HINTS = (
     "audio",
     "kv_input",
     "y",
+    "text",
 )
 
 
@@ -484,8 +485,10 @@ class ModuleProbe:
                 self._discovered_batched = x is batch
                 self.cross = st.cross is not None
                 self._context_width = d2 if d2 is not None else d
+                # read for its values, not only its shape: some call took it
+                second = {op.index for op in rec.ops if op.leaf == "input:1"}
                 self._second_read = other is not None and any(
-                    op.leaf == "input:1" for op in rec.ops
+                    second & set(op.args) for op in rec.ops
                 )
                 if st.weightless:
                     raise AttnScopeError(
@@ -1657,6 +1660,11 @@ class ModuleProbe:
         try:
             st = read_structure(call.record, self.module)
             q, k, _ = project(call.x, spec, w, call.context)
+            keys = [k]
+            if call.context is not None and call.context.shape[-1] == call.x.shape[-1]:
+                # keys projected from the queries' input instead (wrong_source): read the
+                # norm on what the layer did, and let the stages judge the source
+                keys.append(project(call.x, spec, w)[1])
         except (AttnScopeError, RuntimeError):
             return None
         core = st.cores[0]
@@ -1665,35 +1673,39 @@ class ModuleProbe:
         graph = Graph(call.record)
         stops = {p.op.index for ps in st.roles.values() for p in ps}
         sides = {}
-        for role, word, node, ref in (
-            ("q", "queries", core.q_node, split(q, spec.num_heads)),
-            ("k", "keys", core.k_node, split(k, spec.kv)),
+        for role, word, node, sources in (
+            ("q", "queries", core.q_node, [split(q, spec.num_heads)]),
+            ("k", "keys", core.k_node, [split(k, spec.kv) for k in keys]),
         ):
             path = [
                 call.record.ops[i]
                 for i in sorted(graph.ancestors(node, stop=stops))
                 if i not in stops and call.record.ops[i].leaf is None
             ]
-            gains = []
-            if word in st.qk_norm:
-                widths = {hd, ref.shape[1] * hd}
-                gains = gains_on_path(call.record.ops, graph, path, widths)
             eps = eps_on_path(call.record.ops, path)
-            turned = _rotations_on_path(path, ref, b, hd) if word in st.qk_norm else []
-            user = _whole(call.record, graph, node, ref.numel()).to(torch.float64)
-            refs = [ref]
-            if ref.shape[1] != spec.num_heads:  # keys repeated for the query heads first
-                g = spec.num_heads // ref.shape[1]
-                refs += [ref.repeat_interleave(g, dim=1), ref.repeat(1, g, 1, 1)]
-            found = next(
-                (
-                    side
-                    for r in refs
-                    for form in as_heads(user, b, r.shape[1], r.shape[2], hd)
-                    if (side := read_side(r, form, gains, eps, turned)) is not None
-                ),
-                None,
-            )
+            found = None
+            for ref in sources:
+                gains = []
+                if word in st.qk_norm:
+                    widths = {hd, ref.shape[1] * hd}
+                    gains = gains_on_path(call.record.ops, graph, path, widths)
+                turned = _rotations_on_path(path, ref, b, hd) if word in st.qk_norm else []
+                user = _whole(call.record, graph, node, ref.numel()).to(torch.float64)
+                refs = [ref]
+                if ref.shape[1] != spec.num_heads:  # keys repeated for the query heads first
+                    g = spec.num_heads // ref.shape[1]
+                    refs += [ref.repeat_interleave(g, dim=1), ref.repeat(1, g, 1, 1)]
+                found = next(
+                    (
+                        side
+                        for r in refs
+                        for form in as_heads(user, b, r.shape[1], r.shape[2], hd)
+                        if (side := read_side(r, form, gains, eps, turned)) is not None
+                    ),
+                    None,
+                )
+                if found is not None:
+                    break
             if found is None:
                 return None
             sides[role] = found

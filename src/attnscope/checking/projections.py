@@ -13,7 +13,7 @@ from .compare import close
 from .dataflow import Graph, replace_tensor
 from .record import Op, tensors_in
 
-__all__ = ["Projection", "LINEAR_OPS", "read_projection", "fold_bias"]
+__all__ = ["Projection", "LINEAR_OPS", "read_projection", "fold_bias", "fold_sum", "fold_chain"]
 
 T = torch.Tensor
 
@@ -272,4 +272,59 @@ def fold_bias(g: Graph, op: Op, projs: dict[int, Projection]) -> Projection | No
     names = g.params_of(op, [other[0]])
     return Projection(
         op, p.w, b, (*p.params, *names), p.input_node, p.weight_names, names, rows=p.rows
+    )
+
+
+#: calls that pass a tensor on unchanged (in evaluation): a projection of one stays linear
+_PASS = {"dropout", "contiguous", "clone", "detach"}
+
+
+def fold_sum(g: Graph, op: Op, projs: dict[int, Projection]) -> Projection | None:
+    """Two projections of one input added (a weight plus a low-rank adapter, LoRA's
+    ``W x + B A x``): one projection, their weights and biases summed."""
+    if op.name not in ("add", "__add__", "__radd__") or len(op.args) != 2:
+        return None
+    a, b = (projs.get(n) for n in op.args)
+    if a is None or b is None or op.args[0] == op.args[1]:
+        return None
+    if a.input_node != b.input_node or a.w.shape != b.w.shape or a.rows != b.rows:
+        return None
+    if op.output.shape != a.op.output.shape or op.output.shape != b.op.output.shape:
+        return None
+    bias = (
+        None
+        if a.b is None and b.b is None
+        else (0 if a.b is None else a.b) + (0 if b.b is None else b.b)
+    )
+    return Projection(op, a.w + b.w, bias, (*a.params, *b.params), a.input_node, rows=a.rows)
+
+
+def fold_chain(g: Graph, p: Projection, projs: dict[int, Projection]) -> int | None:
+    """The projection whose whole output ``p`` reads, and nothing else reads (a low-rank
+    factorisation ``B(A(x))``, with no function between): its node, or None."""
+    node, later = p.input_node, p.op.index
+    while True:
+        users = [o.index for o in g.ops[node + 1 :] if node in o.args]
+        if users != [later]:
+            return None  # read elsewhere too: not only a step on the way
+        if node in projs:
+            break
+        op = g.ops[node]
+        if op.name not in _PASS or len(g.tainted_args(op)) != 1 or len(op.args) != 1:
+            return None
+        node, later = op.args[0], node
+    first = projs[node]
+    if not first.rows or first.w.shape[1] != p.w.shape[0]:
+        return None
+    return node
+
+
+def composed(first: Projection, then: Projection) -> Projection:
+    """``then`` applied to what ``first`` made, as one projection of ``first``'s input."""
+    w = first.w @ then.w
+    b = then.b
+    if first.b is not None:
+        b = first.b @ then.w + (0 if then.b is None else then.b)
+    return Projection(
+        then.op, w, b, (*first.params, *then.params), first.input_node, rows=then.rows
     )

@@ -160,6 +160,8 @@ class Recorder(TorchFunctionMode):
         self.leaves = leaves or {}
         self._paths = {id(m): p for p, m in root.named_modules()} if root is not None else {}
         self._node: dict[tuple[int, int], int] = {}
+        self._latest: dict[int, int] = {}  # a tensor's latest node, by id
+        self._writes: dict[int, list[int]] = {}  # nodes written in place, by storage
         self._alive: list[torch.Tensor] = []  # keeps ids unique while the record lives
         self._open: list[ModuleCall] = []
         self._hooks: list = []
@@ -226,6 +228,7 @@ class Recorder(TorchFunctionMode):
         self.ops.append(op)
         self._alive.append(tensor)
         self._node[(id(tensor), tensor._version)] = op.index
+        self._latest[id(tensor)] = op.index
         return op.index
 
     def _arg_nodes(self, tensors: list[torch.Tensor], name: str, location) -> list[int]:
@@ -233,9 +236,35 @@ class Recorder(TorchFunctionMode):
         for t in tensors:
             node = self.node_of(t)
             if node is None:
+                node = self._written_through_view(t, location)
+            if node is None:
                 node = self._add(t, f"input of {name}", location, leaf=self.leaves.get(id(t)))
             nodes.append(node)
         return nodes
+
+    @staticmethod
+    def _storage(t: torch.Tensor) -> int | None:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage (meta, some subclasses)
+            return None
+        return ptr or None
+
+    def _written_through_view(self, t: torch.Tensor, location) -> int | None:
+        """A recorded tensor changed since by an in-place write to another view of its
+        storage (``rotate(torch.select(kv, 1, 0))`` writing into ``kv``): made from what it
+        was and from what was written into it since."""
+        prev = self._latest.get(id(t))
+        ptr = self._storage(t)
+        if prev is None or ptr is None:
+            return None
+        writes = [i for i in self._writes.get(ptr, []) if i > prev]
+        if not writes:
+            return None
+        last: dict[int, int] = {}  # the latest write through each view
+        for i in writes:
+            last[id(self._alive[i])] = i
+        return self._add(t, "written through a view", location, [prev, *sorted(last.values())])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -255,7 +284,10 @@ class Recorder(TorchFunctionMode):
         # tensors changed in place (masked_fill_, out[:, i] = ..., add_) become new nodes
         for t, v in zip(inputs, before, strict=True):
             if t._version != v and self.node_of(t) is None:
-                self._add(t, name, location, arg_nodes, call=call)
+                node = self._add(t, name, location, arg_nodes, call=call)
+                ptr = self._storage(t)
+                if ptr is not None:
+                    self._writes.setdefault(ptr, []).append(node)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for pos, t in enumerate(outs):
             if isinstance(t, torch.Tensor) and self.node_of(t) is None:

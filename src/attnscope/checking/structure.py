@@ -36,7 +36,15 @@ from ..errors import AttnScopeError
 from .dataflow import LAYOUT_OPS, Graph
 from .features import MASKING_OPS, Features, Unsupported, mask_shape
 from .layer import Core, Structure
-from .projections import Projection, einsum_letters, fold_bias, read_projection
+from .projections import (
+    Projection,
+    composed,
+    einsum_letters,
+    fold_bias,
+    fold_chain,
+    fold_sum,
+    read_projection,
+)
 from .record import ModuleCall, Op, Recorder, tensors_in
 
 __all__ = [
@@ -229,6 +237,7 @@ class _Reader:
         self.rec, self.root = rec, root
         self.g = Graph(rec)
         self.ops = rec.ops
+        self.block: tuple[int, int] | None = None
 
     # -- projections and the core
     def layers(self) -> list[str]:
@@ -290,10 +299,19 @@ class _Reader:
                 after_score[i] = core is None
                 continue
             proj = read_projection(g, op)
+            if proj is not None:  # applied to another's whole output: one projection
+                first = fold_chain(g, proj, projs)
+                if first is not None:
+                    proj = composed(projs.pop(first), proj)
             if proj is None:
                 proj = fold_bias(g, op, projs)
                 if proj is not None:  # the bias joins the projection it follows
                     projs.pop(next(a for a in op.args if a in projs))
+            if proj is None:
+                proj = fold_sum(g, op, projs)
+                if proj is not None:  # two projections of one input added: one
+                    for a in op.args:
+                        projs.pop(a)
             if proj is not None:
                 projs[i] = proj
                 continue
@@ -425,6 +443,7 @@ class _Reader:
             head_dim=head_dim,
             cores=cores,
             widths=widths,
+            block=self.block,
         )
         s.pre = self._pre(s)
         if shared.get("k") == "q" and shared.get("v") == "q" and head_dim:
@@ -534,11 +553,86 @@ class _Reader:
             return total
         read = self._read_width(roles["q"], [c.q_node for c in cores])
         if shared.get("k") == "q" and shared.get("v") == "q":
+            block = self._attention_block(roles["q"], cores)
+            if block is not None:  # the weight also makes something else (a feed-forward)
+                self.block = block[0]
+                return block[1]
             rest = total["q"] - read
             return {"q": read, "k": rest // 2, "v": rest // 2}
         if shared.get("v") == "k":
             return {"q": total["q"], "k": total["k"] // 2, "v": total["k"] // 2}
         return {"q": read, "k": total["q"] - read, "v": total["v"]}
+
+    def _attention_block(self, projs: list[Projection], cores: list[Core]):
+        """One weight making queries, keys, values and more (a parallel block's fused
+        attention and feed-forward projection): the block of its columns that reaches the
+        scores and context products, and each role's width in it; None when the roles
+        read all its columns, or the columns cannot be told."""
+        if len(projs) != 1:
+            return None
+        p = projs[0]
+        cols = {}
+        for role, nodes in (
+            ("q", [c.q_node for c in cores]),
+            ("k", [c.k_node for c in cores]),
+            ("v", [c.v_node for c in cores]),
+        ):
+            found: set[int] = set()
+            for node in nodes:
+                got = None if node is None else self._columns(p, node)
+                if got is None:
+                    return None
+                found |= got
+            cols[role] = found
+        union = cols["q"] | cols["k"] | cols["v"]
+        if sum(len(c) for c in cols.values()) != len(union) or len(union) >= p.width:
+            return None  # overlapping, or every column: the usual readings apply
+        lo, hi = min(union), max(union) + 1
+        if hi - lo != len(union):
+            return None
+        return (lo, hi), {r: len(c) for r, c in cols.items()}
+
+    def _columns(self, p: Projection, node: int) -> set[int] | None:
+        """The output columns of projection ``p`` that reach ``node``: found by value in the
+        pieces cut from its output (by layout calls only) on the way to ``node``."""
+        g, ops = self.g, self.ops
+        start = p.op.index
+        anc = g.ancestors(node)
+        if start not in anc or p.op.stale or not p.rows:
+            return None
+        cut = {start}
+        for i in sorted(anc):
+            op = ops[i]
+            if i <= start or op.name not in LAYOUT_OPS or op.leaf is not None:
+                continue
+            others = [a for a in op.args if a not in cut]
+            if len(others) < len(op.args) and not any(g.tainted[a] for a in others):
+                cut.add(i)
+        ends = [i for i in cut if not any(i in ops[j].args for j in cut if j != i)]
+        made = p.op.output.detach().double()
+        rest = [i for i in range(made.dim()) if i not in p.rows]
+        if len(rest) != 1:
+            return None
+        table = made.movedim(rest[0], -1).reshape(-1, made.shape[rest[0]])
+        column = torch.arange(table.shape[1]).expand_as(table).reshape(-1)
+        by_column = torch.argsort(column, stable=True)
+        values, column = table.reshape(-1)[by_column], column[by_column]
+        order = torch.argsort(values, stable=True)
+        values, column = values[order], column[order]
+        found: set[int] = set()
+        for i in ends:
+            if ops[i].stale or not ops[i].output.is_floating_point():
+                return None
+            piece = ops[i].output.detach().double().reshape(-1)
+            left = torch.searchsorted(values, piece).clamp(max=len(values) - 1)
+            right = (torch.searchsorted(values, piece, right=True) - 1).clamp(min=0)
+            if not bool((values[left] == piece).all()):
+                return None  # not a piece of the projection's output
+            plain = column[left] == column[right]  # a value in one column only
+            if not bool(plain.any()):
+                return None
+            found |= set(column[left][plain].tolist())
+        return found
 
     def _read_width(self, projs: list[Projection], nodes: list[int]) -> int:
         """Features per row in the given operands, rows counted as the projections make
