@@ -216,3 +216,40 @@ def test_a_role_made_by_projections_of_inputs_of_different_widths_is_refused():
     """Not a crash: refused, naming the projections."""
     with pytest.raises(AttnScopeError, match="not supported yet: the queries made by"):
         check(_QueriesOfTwoInputs, kind="multihead")
+
+
+class _Packed(nn.Module):
+    """The whole batch packed into one sequence (1, B*N, H, D), a block-diagonal additive
+    bias keeping each sequence to its own keys (PixArt's xformers BlockDiagonalMask);
+    ``blocks``: one per sequence ("batch"), none, or misaligned with the sequences."""
+
+    def __init__(self, blocks: str, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.h, self.hd, self.blocks = heads, d // heads, blocks
+        self.q, self.kv, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q = self.q(x).view(1, -1, self.h, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(1, -1, 2, self.h, self.hd).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        seq = torch.arange(b * n) // (n if self.blocks == "batch" else n + 1)
+        bias = torch.zeros(b * n, b * n)
+        if self.blocks != "none":
+            bias = bias.masked_fill(seq[:, None] != seq[None, :], float("-inf"))
+        s = q @ k.transpose(-2, -1) / math.sqrt(self.hd) + bias
+        out = (s.softmax(-1) @ v).transpose(1, 2)
+        return self.o(out.reshape(b, n, c))
+
+
+@pytest.mark.parametrize("blocks,want", [("batch", ("ok",)), ("none", ("scores", "batch_mixing"))])
+def test_a_batch_packed_into_one_sequence_with_a_block_diagonal_mask(blocks, want):
+    """A mask that hides exactly the cells between the packed sequences is the packing,
+    not a pattern of the layer's own; without it, sequences attend to each other."""
+    report = check(lambda: _Packed(blocks), kind="multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+
+
+def test_a_block_diagonal_mask_misaligned_with_the_packed_sequences_is_refused():
+    with pytest.raises(AttnScopeError, match="not supported yet: a mask of another pattern"):
+        check(lambda: _Packed("misaligned"), kind="multihead")

@@ -16,8 +16,6 @@ _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
     # round 9's first run (commit 55ab782)
-    "r9/c15_pixart_cross_blockdiag": "a block-diagonal mask (a batch packed into one "
-    "sequence): refused",
 }
 
 

@@ -107,6 +107,20 @@ def _other_pattern(hidden: T) -> bool:
     return bool(h.any()) and not bool(h.all()) and not bool(h.all(-1).any())
 
 
+def _packed_batch(hidden: T, batch: int | None) -> bool:
+    """A mask that hides exactly the cells between the sequences of a batch packed into
+    one sequence (xformers' ``BlockDiagonalMask``): ``batch`` equal diagonal blocks."""
+    if batch is None or batch < 2 or hidden.dim() < 2:
+        return False
+    flat = hidden.reshape(-1, *hidden.shape[-2:]).bool()
+    n, m = flat.shape[-2:]
+    if n % batch or m % batch or not bool((flat == flat[:1]).all()):
+        return False
+    seq_q = torch.arange(n) // (n // batch)
+    seq_k = torch.arange(m) // (m // batch)
+    return torch.equal(flat[0], seq_q[:, None] != seq_k[None, :])
+
+
 @dataclass
 class BiasSeen:
     """A position bias added to the scores: its tensor as recorded, the shape of the scores
@@ -125,6 +139,11 @@ class Features:
         self.s, self.g, self.ops = s, g, g.ops
         self.window_seen = 0  # the window of the last band-shaped mask judged
         self._bias_seen: T | None = None
+
+    def _batch(self) -> int | None:
+        """The probe's batch size: the leading axis of the layer's first input."""
+        first = next((op for op in self.ops if op.leaf == "input:0"), None)
+        return None if first is None or first.output.dim() < 3 else first.output.shape[0]
 
     def find(self) -> None:
         s = self.s
@@ -419,6 +438,8 @@ class Features:
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
         hidden = tokens_last(hidden)
         shape = mask_shape(hidden)
+        if shape is None and _packed_batch(hidden, self._batch()):
+            return None  # sequences packed into one: each sees its own (the output shows)
         if shape is None:
             chunk = causal_chunks(hidden)
             if chunk is not None:

@@ -300,8 +300,9 @@ def fold_sum(g: Graph, op: Op, projs: dict[int, Projection]) -> Projection | Non
 
 
 def fold_chain(g: Graph, p: Projection, projs: dict[int, Projection]) -> int | None:
-    """The projection whose whole output ``p`` reads, and nothing else reads (a low-rank
-    factorisation ``B(A(x))``, with no function between): its node, or None."""
+    """The projection whose whole output ``p`` reads, and nothing else reads, narrower
+    than both its input and ``p``'s output (a low-rank factorisation ``B(A(x))``, LoRA's
+    adapter, with no function between): its node, or None."""
     node, later = p.input_node, p.op.index
     while True:
         users = [o.index for o in g.ops[node + 1 :] if node in o.args]
@@ -316,6 +317,8 @@ def fold_chain(g: Graph, p: Projection, projs: dict[int, Projection]) -> int | N
     first = projs[node]
     if not first.rows or first.w.shape[1] != p.w.shape[0]:
         return None
+    if first.w.shape[1] >= min(first.w.shape[0], p.w.shape[1]):
+        return None  # not a bottleneck (a low rank): two layers, such as an embedder's
     return node
 
 
