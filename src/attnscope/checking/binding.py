@@ -30,6 +30,7 @@ WEIGHT_HELP = (
 
 T = torch.Tensor
 Pair = tuple[T, T | None]  # (W (d_in, d_out), b) in x @ W + b form
+_NAMES = {"q": "queries", "k": "keys", "v": "values"}
 
 
 @dataclass
@@ -236,9 +237,6 @@ def _traced(st: Structure, w: T, b: T | None) -> list:
 
 def _same(a: tuple, b: tuple) -> bool:
     return all(torch.equal(x[0], y[0]) for x, y in zip(a, b, strict=True))
-
-
-_NAMES = {"q": "queries", "k": "keys", "v": "values"}
 
 
 def _packed(st: Structure, root: nn.Module) -> list:

@@ -4,6 +4,7 @@ a weight on either side), whatever holds the parameter."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -303,23 +304,22 @@ def fold_chain(g: Graph, p: Projection, projs: dict[int, Projection]) -> int | N
     """The projection whose whole output ``p`` reads, and nothing else reads, narrower
     than both its input and ``p``'s output (a low-rank factorisation ``B(A(x))``, LoRA's
     adapter, with no function between): its node, or None."""
-    node, later = p.input_node, p.op.index
-    while True:
-        users = [o.index for o in g.ops[node + 1 :] if node in o.args]
-        if users != [later]:
-            return None  # read elsewhere too: not only a step on the way
-        if node in projs:
-            break
-        op = g.ops[node]
-        if op.name not in _PASS or len(g.tainted_args(op)) != 1 or len(op.args) != 1:
+    path = [p.op.index, p.input_node]  # back from p to the projection it reads
+    while path[-1] not in projs:
+        op = g.ops[path[-1]]
+        if op.name not in _PASS or len(op.args) != 1 or not g.tainted[op.args[0]]:
             return None
-        node, later = op.args[0], node
-    first = projs[node]
+        path.append(op.args[0])
+    first = projs[path[-1]]
     if not first.rows or first.w.shape[1] != p.w.shape[0]:
         return None
     if first.w.shape[1] >= min(first.w.shape[0], p.w.shape[1]):
         return None  # not a bottleneck (a low rank): two layers, such as an embedder's
-    return node
+    for later, node in itertools.pairwise(path):
+        users = [o.index for o in g.ops[node + 1 :] if node in o.args]
+        if users != [later]:
+            return None  # read elsewhere too: not only a step on the way
+    return path[-1]
 
 
 def composed(first: Projection, then: Projection) -> Projection:
