@@ -253,3 +253,26 @@ def test_a_batch_packed_into_one_sequence_with_a_block_diagonal_mask(blocks, wan
 def test_a_block_diagonal_mask_misaligned_with_the_packed_sequences_is_refused():
     with pytest.raises(AttnScopeError, match="not supported yet: a mask of another pattern"):
         check(lambda: _Packed("misaligned"), kind="multihead")
+
+
+class _BatchManyChunks(nn.Module):
+    """Not packed: (B, H, N, N) scores, each sequence cut into as many bidirectional chunks
+    as the batch has sequences (a designed pattern, whatever the batch size)."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (t.view(b, n, self.h, self.hd).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        chunk = torch.arange(n) * b // n
+        s = q @ k.transpose(-2, -1) / math.sqrt(self.hd)
+        s = s.masked_fill(chunk[:, None] != chunk[None, :], float("-inf"))
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_chunks_as_many_as_the_batch_in_an_unpacked_layout_are_refused():
+    with pytest.raises(AttnScopeError, match="not supported yet"):
+        check(_BatchManyChunks, kind="multihead")

@@ -107,15 +107,17 @@ def _other_pattern(hidden: T) -> bool:
     return bool(h.any()) and not bool(h.all()) and not bool(h.all(-1).any())
 
 
-def _packed_batch(hidden: T, batch: int | None) -> bool:
+def _packed_batch(hidden: T, lead: tuple[int, int] | None) -> bool:
     """A mask that hides exactly the cells between the sequences of a batch packed into
-    one sequence (xformers' ``BlockDiagonalMask``): ``batch`` equal diagonal blocks."""
-    if batch is None or batch < 2 or hidden.dim() < 2:
+    one sequence (xformers' ``BlockDiagonalMask``): for an input of ``lead`` (batch,
+    tokens), queries along all the batch's tokens and one diagonal block per sequence."""
+    if lead is None or lead[0] < 2 or hidden.dim() < 2:
         return False
+    batch, tokens = lead
     flat = hidden.reshape(-1, *hidden.shape[-2:]).bool()
     n, m = flat.shape[-2:]
-    if n % batch or m % batch or not bool((flat == flat[:1]).all()):
-        return False
+    if n != batch * tokens or m % batch or not bool((flat == flat[:1]).all()):
+        return False  # not the whole batch's queries in one row of scores
     seq_q = torch.arange(n) // (n // batch)
     seq_k = torch.arange(m) // (m // batch)
     return torch.equal(flat[0], seq_q[:, None] != seq_k[None, :])
@@ -140,10 +142,12 @@ class Features:
         self.window_seen = 0  # the window of the last band-shaped mask judged
         self._bias_seen: T | None = None
 
-    def _batch(self) -> int | None:
-        """The probe's batch size: the leading axis of the layer's first input."""
+    def _lead(self) -> tuple[int, int] | None:
+        """The probe's (batch, tokens): the leading axes of the first input."""
         first = next((op for op in self.ops if op.leaf == "input:0"), None)
-        return None if first is None or first.output.dim() < 3 else first.output.shape[0]
+        if first is None or first.output.dim() != 3:
+            return None
+        return tuple(first.output.shape[:2])
 
     def find(self) -> None:
         s = self.s
@@ -438,7 +442,7 @@ class Features:
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
         hidden = tokens_last(hidden)
         shape = mask_shape(hidden)
-        if shape is None and _packed_batch(hidden, self._batch()):
+        if shape is None and _packed_batch(hidden, self._lead()):
             return None  # sequences packed into one: each sees its own (the output shows)
         if shape is None:
             chunk = causal_chunks(hidden)
