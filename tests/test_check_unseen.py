@@ -15,7 +15,6 @@ from attnscope import AttnScopeError, ModelReport, check
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
-    # round 9's first run (commit 55ab782)
 }
 
 
