@@ -86,17 +86,26 @@ def _check_pool(stage: str | Stage, reduce: str, pool: object) -> Stage:
     return st
 
 
-def _tiles(values: torch.Tensor, visible: torch.Tensor | None, pool: int, reduce: str):
+def _tiles(
+    values: torch.Tensor,
+    visible: torch.Tensor | None,
+    pool: int,
+    reduce: str,
+    neutral: bool = False,
+):
     """Reduce ``(..., r, c)`` over ``pool x pool`` tiles of the visible pairs (``visible``
     ``(r, c)`` bool, None: all of them); ``r`` and ``c`` are padded up to whole tiles with
-    invisible pairs. Returns ``(values, count)``, the sums (mean) or maxima and the number
-    of visible pairs per tile."""
+    invisible pairs. ``neutral``: the hidden pairs already hold what cannot change the
+    reduction (``-inf`` under a max, ``0`` under a sum), so they are not filled again.
+    Returns ``(values, count)``, the sums (mean) or maxima and the number of visible pairs
+    per tile."""
     r, c = values.shape[-2:]
     pr, pc = -r % pool, -c % pool
+    fill = -torch.inf if reduce == "max" else 0.0
     if pr or pc:
         if visible is None:
             visible = torch.ones(r, c, dtype=torch.bool, device=values.device)
-        values = torch.nn.functional.pad(values, (0, pc, 0, pr))
+        values = torch.nn.functional.pad(values, (0, pc, 0, pr), value=fill)
         visible = torch.nn.functional.pad(visible, (0, pc, 0, pr), value=False)
     R, C = values.shape[-2] // pool, values.shape[-1] // pool
     lead = values.shape[:-2]
@@ -107,9 +116,11 @@ def _tiles(values: torch.Tensor, visible: torch.Tensor | None, pool: int, reduce
         return out, count
     seen = visible.reshape(R, pool, C, pool)
     count = seen.sum((1, 3))  # (R, C)
-    fill = -torch.inf if reduce == "max" else 0.0
-    tiles = tiles.masked_fill(~seen, fill)
+    if not neutral:
+        tiles = tiles.masked_fill(~seen, fill)
     out = tiles.amax((-3, -1)) if reduce == "max" else tiles.sum((-3, -1))
+    if neutral:  # a tile no query may see: what a filled one reduces to
+        out = out.masked_fill_(count == 0, fill)
     return out, count
 
 
@@ -261,7 +272,10 @@ def pooled_matrices(
                 visible = seen_now if seen_now is not None else visible
                 at = st
                 masked = st.order >= Stage.MASKED_SCORES.order
-                tiles, count = _tiles(s, visible if masked else None, pool, reduce)
+                # hidden pairs hold -inf (masked scores) or 0 (weights): neutral to a max,
+                # and a weight of 0 to a sum
+                neutral = st is Stage.WEIGHTS or (st is Stage.MASKED_SCORES and reduce == "max")
+                tiles, count = _tiles(s, visible if masked else None, pool, reduce, neutral)
                 r0, c0 = q0 // pool, k0 // pool
                 outs[st][..., r0 : r0 + tiles.shape[-2], c0 : c0 + tiles.shape[-1]] = tiles
                 counts[st][r0 : r0 + count.shape[0], c0 : c0 + count.shape[1]] = count
