@@ -153,6 +153,27 @@ def test_an_alibi_bias_the_model_hands_a_layer_that_ignores_it_is_bias_missing(d
     )
 
 
+class _NeedsSetup(torch.nn.Module):
+    """gpt-fast's shape: ``setup_caches()`` makes the tables and caches every call needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.freqs = None
+
+    def setup_caches(self, max_batch_size, max_seq_length):
+        self.freqs = torch.ones(max_seq_length)
+
+    def forward(self, idx, input_pos=None):
+        assert self.freqs is not None, "Caches must be initialized first"
+        return self.emb(idx)
+
+
+def test_a_model_that_must_be_set_up_first_is_refused_saying_so():
+    with pytest.raises(AttnScopeError, match=r"not supported yet: .*setup_caches\(\)"):
+        check(_NeedsSetup)
+
+
 def test_the_model_report_follows_the_contract(report_schema):
     data = check(_book_gpt_with_a_bug_in_layer_1).to_dict()
     jsonschema.validate(data, report_schema)

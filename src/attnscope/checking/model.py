@@ -98,6 +98,10 @@ class ModelHost:
         return got.get(id(layer), f"the model did not call {self.path!r}")
 
 
+#: methods a model whose caches must be made before any call has (gpt-fast's Transformer)
+_SETUPS = ("setup_caches", "setup_cache", "allocate_kv_cache")
+
+
 def _takes(module: nn.Module, name: str) -> bool:
     try:
         return name in inspect.signature(module.forward).parameters
@@ -145,6 +149,13 @@ def check_model(
         out, err = probe_host.call(x)
     if err is not None:
         what = f"token ids below {vocab}" if vocab is not None else f"vectors of width {width}"
+        setup = next((n for n in _SETUPS if callable(getattr(model, n, None))), None)
+        if setup is not None:  # gpt-fast: static caches and positions, set up before any call
+            raise AttnScopeError(
+                f"{tgt.text}: not supported yet: a model that must be set up with {setup}() "
+                f"before it runs (its caches and positions; it raised on {what} "
+                f"{tuple(x.shape)}: {err}); check its attention layer class instead"
+            )
         raise AttnScopeError(f"{tgt.text}: the model raised on {what} {tuple(x.shape)}: {err}")
     paths = attention_layers(rec, model)
     if not paths:
