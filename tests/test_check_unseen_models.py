@@ -13,7 +13,16 @@ from attnscope import ModelReport, check
 #: the first run left these open: each is a strict expected failure, so that the day it is
 #: fixed the test says so and leaves the list
 _OPEN: dict[str, str | tuple[str, str]] = {
-    # m2's first run (commit 78e1af4)
+    # m3's first run (commit 90993cb)
+    "09_hf_xglm_einsum_layer_context_product": "a layer whose context product is wrong is "
+    "not found as attention: the model is checked without it",
+    "10_eleuther_gptneox_repo_flash_layer_rope_positions": "one layer's attention not found: "
+    "refused",
+    "11_xtransformers_wrapper_causal_kwarg_popped": (
+        "inferred",
+        "a layer built without its causal mask reads as a correct encoder layer with the kind "
+        "inferred",
+    ),
 }
 
 
@@ -32,7 +41,8 @@ def _cases():
 
 def _wanted(expect: dict) -> dict:
     want = model_wanted(expect)
-    if expect.get("cache") and expect.get("ok"):  # a correct cached model decodes right
+    if expect.get("cache") and not expect.get("decode"):
+        # a cached model whose decoding is right (correct, or a slip in the full pass too)
         want["decode"] = {"mistake": None}
     return want
 
