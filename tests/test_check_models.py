@@ -254,3 +254,84 @@ def test_decode_asked_of_a_bidirectional_model_is_refused():
         check(lambda: transformers.BertModel(cfg), decode="hf")
     report = check(lambda: transformers.BertModel(cfg), decode="none")
     assert report.ok and report.decode is None
+
+
+def _context_einsum_slip(self, x):
+    """The book's layer with its weighted sum written ``bhqk,bhqd->bhqd``: the keys' axis
+    summed away on the weights alone, each query's own value returned."""
+    b, n, _ = x.shape
+    q, k, v = self.W_query(x), self.W_key(x), self.W_value(x)
+    q, k, v = (t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+    s = (q @ k.transpose(2, 3)).masked_fill(self.mask.bool()[:n, :n], -torch.inf)
+    w = torch.softmax(s / k.shape[-1] ** 0.5, dim=-1)
+    ctx = torch.einsum("bhqk,bhqd->bhqd", w, v)
+    return self.out_proj(ctx.transpose(1, 2).reshape(b, n, self.d_out))
+
+
+def test_a_layer_whose_context_einsum_contracts_nothing_is_found_and_named():
+    """A weighted sum that contracts no axis the weights and values share is still the
+    layer's context product: the layer is found (not checked as a model without it) and
+    its slip named."""
+    model = _book_gpt()
+    att = model.trf_blocks[2].att
+    att.forward = types.MethodType(_context_einsum_slip, att)
+    report = check(lambda: model)
+    assert [p for p, _ in report.layers] == [f"trf_blocks.{i}.att" for i in range(3)]
+    failure = report.first_failure
+    assert (report.first_layer, failure.stage.value, failure.mistake) == (
+        "trf_blocks.2.att",
+        "context",
+        "context_wrong_product",
+    )
+
+
+class _TokensFirstGPT(torch.nn.Module):
+    """A model that runs its layers on tokens-first hidden states ``(T, B, d)`` (EleutherAI's
+    gpt-neox, Megatron): each layer an ``nn.MultiheadAttention`` (batch_first=False) with a
+    causal mask."""
+
+    def __init__(self, vocab=50, d=32, heads=4, layers=2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.MultiheadAttention(d, heads, bias=False) for _ in range(layers)
+        )
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        h = self.emb(ids).transpose(0, 1)  # (T, B, d)
+        mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+        for layer in self.layers:
+            h = h + layer(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return self.head(h.transpose(0, 1))
+
+
+def test_a_model_whose_layers_take_tokens_first_hidden_states_is_checked():
+    """The probe enters a layer transposed to its layout; recorded only inside the layer,
+    the transposed probe is the input it reads (it was untraced: no attention found)."""
+
+    def make():
+        torch.manual_seed(0)
+        return _TokensFirstGPT().eval()
+
+    report = check(make)
+    assert report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == ["layers.0", "layers.1"]
+    assert all(r.kind == "causal-multihead" for _, r in report.layers)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_pytorchs_own_transformer_encoder_is_checked_layer_by_layer(batch_first):
+    """nn.TransformerEncoder: one nn.MultiheadAttention a layer, each found by its
+    multi_head_attention_forward call and checked where it sits."""
+
+    def make():
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=batch_first)
+        return torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False).eval()
+
+    report = check(make)
+    assert isinstance(report, ModelReport) and report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == [f"layers.{i}.self_attn" for i in range(3)]
+    assert all(r.kind == "multihead" for _, r in report.layers)

@@ -676,3 +676,18 @@ def test_a_second_input_is_another_sequence_by_its_name_not_a_letter_in_it(name,
     from attnscope.checking.probe import _names_a_sequence
 
     assert _names_a_sequence(name) is other
+
+
+@pytest.mark.parametrize("start", [0, 1, 7, 40])
+def test_rotary_tables_read_where_their_positions_start_past_a_whole_turn(start):
+    """A table read from its tail starts positions on: the fastest pair's angle alone is
+    known only up to whole turns (7 reads as 0.72); a slow pair says how many."""
+    from attnscope.checking.rotary import Tables, read_side
+
+    rot, n = 16, 9
+    inv = 10_000.0 ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    angles = torch.arange(start, start + n, dtype=torch.float64)[:, None] * inv  # (T, rot/2)
+    both = torch.cat([angles, angles], dim=-1)  # laid out for the halves pairing
+    side, freqs = read_side(Tables("half", rot, both.cos(), both.sin(), 1.0), "half")
+    assert side.offset == pytest.approx(start, abs=1e-3)
+    torch.testing.assert_close(freqs, inv)

@@ -29,8 +29,6 @@ _OPEN = {
     "r10/b18_torchtitan_query_view_heads_first": "heads cut from the wrong axis before a "
     "complex rotation: refused",
     "r10/b19_torchtitan_window_from_max_seq_len": "the window taken from max_seq_len: passes",
-    "r10/b20_torchtitan_key_freqs_from_tail": "key positions from the table's tail: "
-    "context/other",
     "r10/b21_bmm_keys_folded_head_major": "bmm over (batch*heads) folded the other way: no "
     "attention found",
     "r10/b22_bmm_context_transposed_probs": "bmm layer: no attention found",
@@ -38,8 +36,7 @@ _OPEN = {
     "r10/c08_bmm_quantfriendly_encoder": "bmm layer: no attention found",
     "r10/c15_detr_decoder_cross_mha_kdim": "nn.MultiheadAttention with kdim/vdim as "
     "cross-attention: refused",
-    "r10/r01_sigmoid_attention_bmm": "bmm layer: refused as no attention, not naming the "
-    "sigmoid",
+    "r10/r01_sigmoid_attention_bmm": "bmm layer: refused as no attention, not naming the sigmoid",
     "r10/r02_talking_heads_pre_softmax": "talking heads given a verdict (not_dot_product)",
     "r10/r04_diff_transformer_two_softmax": "differential attention given a verdict "
     "(context_wrong_product)",

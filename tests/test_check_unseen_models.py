@@ -14,10 +14,6 @@ from attnscope import ModelReport, check
 #: fixed the test says so and leaves the list
 _OPEN: dict[str, str | tuple[str, str]] = {
     # m3's first run (commit 90993cb)
-    "09_hf_xglm_einsum_layer_context_product": "a layer whose context product is wrong is "
-    "not found as attention: the model is checked without it",
-    "10_eleuther_gptneox_repo_flash_layer_rope_positions": "one layer's attention not found: "
-    "refused",
     "11_xtransformers_wrapper_causal_kwarg_popped": (
         "inferred",
         "a layer built without its causal mask reads as a correct encoder layer with the kind "

@@ -52,6 +52,8 @@ class ModelHost:
     seed: int = 0
     _inputs: dict = dataclasses.field(default_factory=dict)
     _arguments: dict = dataclasses.field(default_factory=dict)
+    #: a model of vectors that takes them tokens first, ``(T, B, d)`` (see :func:`_tokens_first`)
+    tokens_first: bool = False
 
     def call(self, x: torch.Tensor):
         """Run the model on ``x`` (ids or vectors): ``(output, None)`` or ``(None, error)``.
@@ -71,6 +73,8 @@ class ModelHost:
             g = torch.Generator().manual_seed(self.seed + 7919 * b + n)
             if self.vocab is not None:
                 self._inputs[(b, n)] = torch.randint(0, self.vocab, (b, n), generator=g)
+            elif self.tokens_first:
+                self._inputs[(b, n)] = torch.randn(n, b, self.width, generator=g)
             else:
                 self._inputs[(b, n)] = torch.randn(b, n, self.width, generator=g)
         return self._inputs[(b, n)]
@@ -118,6 +122,38 @@ def _required(module: nn.Module, name: str) -> bool:
     return p is not None and p.default is p.empty
 
 
+def _tokens_first(host: ModelHost) -> bool:
+    """Whether a model of vectors takes them tokens first, ``(T, B, d)`` (PyTorch's
+    ``nn.TransformerEncoder`` unless ``batch_first``), read from what it computes: its
+    sequences are independent, so changing the first slice along the batch axis changes
+    that slice of the output alone; along axis 0 that is so batch first, along axis 1
+    tokens first (every token of a sequence sees its first one)."""
+    g = torch.Generator().manual_seed(host.seed + 1)
+    x = torch.randn(3, 5, host.width, generator=g)
+
+    def run(t: torch.Tensor) -> torch.Tensor | None:
+        out, err = host.call(t)
+        ok = err is None and isinstance(out, torch.Tensor) and out.shape[:2] == t.shape[:2]
+        return out.detach().double() if ok else None
+
+    base = run(x)
+    if base is None:
+        return False
+
+    def only_first_changed(axis: int) -> bool | None:
+        y = x.clone()
+        y.select(axis, 0).add_(1.0)
+        out = run(y)
+        if out is None:
+            return None
+        moved = (out - base).abs().movedim(axis, 0).flatten(1).amax(1)
+        return bool(moved[0] > 1e-6 and (moved[1:] <= 1e-6 * (1 + base.abs().max())).all())
+
+    if only_first_changed(0):
+        return False
+    return bool(only_first_changed(1))
+
+
 def _model_width(model: nn.Module) -> int | None:
     for p in model.parameters():
         if p.dim() == 2:
@@ -143,6 +179,8 @@ def check_model(
     gen = torch.Generator().manual_seed(seed + 2)
     n = tokens or 7
     probe_host = ModelHost(model, "", vocab, width, timeout)
+    if vocab is None and width is not None:
+        probe_host.tokens_first = _tokens_first(probe_host)
     x = probe_host.input(BATCH, n, gen)
     rec = Recorder({id(x): "input:0"}, model)
     with rec:
@@ -162,6 +200,7 @@ def check_model(
         raise AttnScopeError(f"{tgt.text}: found no attention layer in the model's computation")
     layers = [model.get_submodule(p) for p in paths]
     host = ModelHost(model, "", vocab, width, timeout, layers, seed)
+    host.tokens_first = probe_host.tokens_first
     reports: list[tuple[str, CheckReport]] = []
     for path, layer in zip(paths, layers, strict=True):
         host.path = path

@@ -318,16 +318,22 @@ class _Entry:
         #: the other float tensors the wrapper hands the layer, by argument (a mask, a
         #: position bias), as handed on the discovery run
         self.extras: dict = {}
+        self._entered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """The probe ``(B, T, d)`` in the layout the layer takes."""
+        """The probe ``(B, T, d)`` in the layout the layer takes (the same tensor for the
+        same probe: a recorder that knows it knows what the layer is handed)."""
+        if self._entered is not None and self._entered[0] is x:
+            return self._entered[1]
+        sub = x
         if self.tokens_first:
-            return x.transpose(0, 1)
-        if self.grid is not None:
-            return x.reshape(x.shape[0], *self.grid, x.shape[-1])
-        if self.flat:
-            return x.reshape(-1, x.shape[-1])
-        return x
+            sub = x.transpose(0, 1)
+        elif self.grid is not None:
+            sub = x.reshape(x.shape[0], *self.grid, x.shape[-1])
+        elif self.flat:
+            sub = x.reshape(-1, x.shape[-1])
+        self._entered = (x, sub)
+        return sub
 
     def leave(self, out: torch.Tensor, b: int, n: int) -> torch.Tensor:
         """The layer's output back in ``(B, T, d)``."""
@@ -686,6 +692,10 @@ class ModuleProbe:
         for i, t in enumerate((x, *more)):
             leaves[id(t)] = f"input:{i}"
         scope = self.module if self.host is not None else None
+        if scope is not None and self.entry is not None and x.dim() == 3:
+            # a model's layer records only its own calls: the probe as the layer takes it
+            # (tokens first: a transpose made outside) is the input it reads
+            leaves[id(self.entry.enter(x))] = "input:0"
         return Recorder(leaves, self.module, scope=scope)
 
     def _discover_in_model(self) -> Structure:

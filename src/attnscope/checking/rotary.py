@@ -378,7 +378,18 @@ def read_side(tables: Tables, layout: str) -> tuple[SideReading, T | None]:
     offset = None
     if linear and freqs[0].abs() > 1e-6:
         start = torch.remainder(ang[0, 0] + math.pi, 2 * math.pi) - math.pi
-        offset = round((start / freqs[0]).item(), 3)
+        offset = (start / freqs[0]).item()
+        # the fastest pair's angle is known up to whole turns: a slow pair (turned less
+        # than half a turn at the first position) says how many (a table read from its
+        # tail starts 7 positions on, which the fastest pair alone reads as 0.72)
+        slow = [j for j in range(len(freqs)) if 1e-3 < abs(freqs[j].item()) < abs(freqs[0].item())]
+        if slow:
+            j = slow[-1]
+            wrapped = torch.remainder(ang[0, j] + math.pi, 2 * math.pi) - math.pi
+            coarse = (wrapped / freqs[j]).item()
+            turns = round((coarse * freqs[0].item() - start.item()) / (2 * math.pi))
+            offset = (start.item() + 2 * math.pi * turns) / freqs[0].item()
+        offset = round(offset, 3)
     return SideReading(tables, True, offset, linear), freqs
 
 

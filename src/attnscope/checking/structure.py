@@ -89,6 +89,14 @@ def _einsum_sides(op: Op) -> tuple[int, int, int] | None:
     return q_side, 1 - q_side, size
 
 
+def _einsum_operands(g: Graph, op: Op) -> tuple[int, int] | None:
+    """The nodes of a two-operand einsum's operands made from the input, or None."""
+    if op.name != "einsum" or op.position != 0:
+        return None
+    nodes = [n for n in op.args if g.tainted[n]]
+    return (nodes[0], nodes[1]) if len(nodes) == 2 and nodes[0] != nodes[1] else None
+
+
 def _pairwise_sides(g: Graph, op: Op) -> tuple[int, int, int] | None:
     """Two tensors made from the input combined pair by pair (broadcast across each other:
     cosine similarity, distances, ``q[:, :, None] * k[:, None]``): the query side is the
@@ -241,11 +249,11 @@ class _Reader:
 
     # -- projections and the core
     def layers(self) -> list[str]:
-        """The dotted module path of every attention layer the record ran, in run order."""
-        cores, projs, _, mha = self._scan()
-        if mha is not None:
-            return []
-        paths: list[str] = []
+        """The dotted module path of every attention layer the record ran, in run order:
+        cores of products or fused calls, and ``nn.MultiheadAttention`` calls (the
+        innermost submodule call around each ``multi_head_attention_forward``)."""
+        cores, projs, _, _ = self._scan()
+        found: list[tuple[int, str]] = []
         for core in cores:
             roles = {
                 r: self._projections_above(n, projs)
@@ -253,7 +261,18 @@ class _Reader:
                 if n is not None
             }
             call = self._layer_call([core], roles)
-            path = "" if call is None else call.path
+            op = core.fused or core.score
+            found.append((op.index if op is not None else 0, "" if call is None else call.path))
+        for op in self.ops:
+            if op.name != "multi_head_attention_forward" or op.position != 0:
+                continue
+            if not self.g.tainted[op.index]:
+                continue
+            around = [c for c in self.rec.modules if c.path and c.start <= op.index < c.end]
+            inner = max(around, key=lambda c: c.depth, default=None)
+            found.append((op.index, "" if inner is None else inner.path))
+        paths: list[str] = []
+        for _, path in sorted(found):
             if path not in paths:
                 paths.append(path)
         return paths
@@ -261,6 +280,10 @@ class _Reader:
     def read(self) -> Structure:
         cores, projs, after_context, mha = self._scan()
         if mha is not None:
+            if len(self.layers()) > 1:  # nn.TransformerEncoder: one nn.MultiheadAttention a layer
+                raise SeveralLayers(
+                    "holds several attention layers, one after the other (a whole model)"
+                )
             return self._from_mha(mha, after_context)
         if not cores:
             raise AttnScopeError(
@@ -319,7 +342,13 @@ class _Reader:
                 continue
             sides = _product_sides(g, op) if op.name in _PRODUCT else _pairwise_sides(g, op)
             if sides is None:
-                continue
+                # an einsum of the weights with a third tensor that contracts no axis the
+                # two share ("bhqk,bhqd->bhqd": the keys' axis summed away on its own): a
+                # context product written wrong, the layer's all the same
+                pair = _einsum_operands(g, op)
+                if pair is None or after_score[pair[0]] == after_score[pair[1]]:
+                    continue
+                sides = (*pair, 0)
             a, b, size = sides
             if not after_score[a] and not after_score[b]:
                 cores.append(Core(a, b, None, size, score=op))

@@ -104,6 +104,26 @@ def _rope_positions(c: Context) -> list[Mutation]:
                     ),
                 )
             )
+    # the shift the tables themselves show, where it is more than one position (a table
+    # sized for more positions, read from its tail for one side)
+    if q_off is not None and k_off is not None and abs(round(q_off - k_off)) > 1:
+        d = round(q_off - k_off)
+        role, stage, side, shift = (
+            ("q", Stage.ROTATED_QUERIES, "queries", d)
+            if abs(q_off) >= abs(k_off)
+            else ("k", Stage.ROTATED_KEYS, "keys", -d)
+        )
+        out.append(
+            Mutation(
+                "rope_positions",
+                stage,
+                f"the {side} rotated for positions {abs(shift)} "
+                f"{'ahead of' if shift > 0 else 'behind'} the other side's",
+                rotate=lambda r, t, role=role, shift=shift: rope.rotate(
+                    t, offset=shift if r == role else 0
+                ),
+            )
+        )
     out.append(
         Mutation(
             "rope_positions",
