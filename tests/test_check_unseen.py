@@ -20,23 +20,11 @@ _OPEN = {
         "inferred",
         "a decoder whose mask is dropped reads as a correct encoder with the kind inferred",
     ),
-    "r10/b09_parlertts_kv_kwarg_swallowed": "a cross layer whose context keyword is "
-    "swallowed: refused at the entry",
     "r10/b11_functional_mha_k_weight_is_q": "F.multi_head_attention_forward with the keys' "
     "weight the queries': passes",
     "r10/b14_flex_alibi_score_mod_not_passed": "an ALiBi score_mod not passed: passes",
     "r10/b16_torchtitan_window_le": "a window one key too wide (torchtitan mask_mod): passes",
-    "r10/b18_torchtitan_query_view_heads_first": "heads cut from the wrong axis before a "
-    "complex rotation: refused",
     "r10/b19_torchtitan_window_from_max_seq_len": "the window taken from max_seq_len: passes",
-    "r10/b21_bmm_keys_folded_head_major": "bmm over (batch*heads) folded the other way: no "
-    "attention found",
-    "r10/b22_bmm_context_transposed_probs": "bmm layer: no attention found",
-    "r10/b23_bmm_baddbmm_operands_swapped": "bmm layer: no attention found",
-    "r10/c08_bmm_quantfriendly_encoder": "bmm layer: no attention found",
-    "r10/c15_detr_decoder_cross_mha_kdim": "nn.MultiheadAttention with kdim/vdim as "
-    "cross-attention: refused",
-    "r10/r01_sigmoid_attention_bmm": "bmm layer: refused as no attention, not naming the sigmoid",
     "r10/r02_talking_heads_pre_softmax": "talking heads given a verdict (not_dot_product)",
     "r10/r04_diff_transformer_two_softmax": "differential attention given a verdict "
     "(context_wrong_product)",

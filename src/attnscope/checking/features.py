@@ -23,6 +23,7 @@ __all__ = ["Unsupported", "Features", "BiasSeen", "mask_shape", "MASKING_OPS"]
 T = torch.Tensor
 
 _SCALAR_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "__rtruediv__", "mul_", "div_"}
+_SHIFT_OPS = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__", "sub_"}
 _ROTARY_CALLS = {"view_as_complex", "view_as_real", "polar", "complex"}
 #: norms that make a vector unit length (F.normalize, x / x.norm()): cosine attention
 _UNIT_NORMS = {"normalize", "norm", "vector_norm", "linalg_vector_norm"}
@@ -152,6 +153,7 @@ class Features:
     def find(self) -> None:
         s = self.s
         self._cross()
+        self._one_role_shifted()
         for core in s.cores:
             self._cached(core)
         for core in s.cores:
@@ -187,6 +189,26 @@ class Features:
                         f"for {shape[0]} queries)",
                         op.location,
                     )
+
+    def _one_role_shifted(self) -> None:
+        """One projection reading another's input plus a tensor not made from the input (a
+        position embedding added to the queries' and keys' input only, as DETR adds it):
+        the reference projects every role from the one input, so this is not modelled."""
+        inputs = {role: {p.input_node for p in ps} for role, ps in self.s.roles.items() if ps}
+        nodes = set().union(*inputs.values()) if inputs else set()
+        for node in nodes:
+            op = self.ops[node]
+            if op.name not in ("add", "__add__", "__radd__", "add_") or len(op.args) != 2:
+                continue
+            mine = [a for a in op.args if a in nodes and a != node]
+            added = [a for a in op.args if not self.g.tainted[a]]
+            if mine and added and self.ops[added[0]].output.numel() > 1:
+                what = "a learned tensor" if self.g.param[added[0]] else "a constant tensor"
+                self._refuse(
+                    f"{what} added to the input of some projections only (a position "
+                    "embedding for the queries and keys, not the values, as DETR adds it?)",
+                    op.location,
+                )
 
     def _refuse(self, what: str, where: str | None) -> None:
         at = f" at {where}" if where else ""
@@ -305,6 +327,33 @@ class Features:
             what = "a learned factor" if learned else "a factor that varies by head or position"
             self._unmodelled(f"{what} multiplying the scores", op.location)
 
+    def _shifted_sigmoid(self, op: Op, reach: set[int]) -> None:
+        """A sigmoid of the scores shifted by a constant: sigmoid attention (its bias b,
+        ``-log n`` in Apple's design). A shift a softmax would ignore (it is shift-invariant)
+        is written for a normaliser that is no softmax: a design, not a sigmoid written in
+        the softmax's place (that is ``not_softmax``)."""
+        for i in sorted(self.g.ancestors(op.index) & reach):
+            step = self.ops[i]
+            if step.name not in _SHIFT_OPS:
+                continue
+            sign = -1.0 if step.name in ("sub", "__sub__", "sub_") else 1.0
+            shift = [sign * a for a in step.call_args if isinstance(a, (int, float)) and a != 0]
+            for a in step.args:
+                if a in reach or self.g.tainted[a]:
+                    continue
+                t = self.ops[a].output.detach()
+                if t.numel() and t.is_floating_point():
+                    flat = t.flatten()
+                    if bool((flat == flat[0]).all()) and bool(torch.isfinite(flat[0])):
+                        shift += [sign * float(flat[0])] if float(flat[0]) != 0 else []
+            if shift:
+                self._refuse(
+                    "sigmoid attention (weights = sigmoid(scores + b) with a constant b = "
+                    f"{shift[0]:.4g}, each weight on its own: no softmax normalisation over "
+                    "the keys)",
+                    op.location,
+                )
+
     def _score_path(self, core: Core) -> None:
         s = self.s
         if core.fused is not None:
@@ -329,6 +378,8 @@ class Features:
                     self._refuse(f"{what} joined to the scores before the softmax", op.location)
             if i != start:
                 self._varying_factor(op, reach)
+            if op.name in ("sigmoid", "sigmoid_") and i != start:
+                self._shifted_sigmoid(op, reach)
             if op.name not in MASKING_OPS or i == start:
                 continue
             evidence = self._mask_of(op, reach)

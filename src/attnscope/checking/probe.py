@@ -158,6 +158,42 @@ def _rotations_on_path(path: list[Op], ref: torch.Tensor, b: int, hd: int) -> li
     return found
 
 
+def _rotated_in_place(
+    rec: Recorder,
+    graph: Graph,
+    path: list[Op],
+    stops: set[int],
+    node: int,
+    ref: torch.Tensor,
+    hd: int,
+):
+    """The rotation a side went through, read from the layer's own tensors where the
+    projected heads ``ref`` do not explain what the scores took: a tensor on the way, only
+    moved about from the projection (views, transposes, casts: no arithmetic), that the
+    scores' operand is exactly turned from. Heads cut from the wrong axis before the
+    rotation then leave the rotation readable, and the stages name the mistake; anything
+    computed on the way (a factor not modelled) is not read through. None where no such
+    tensor is rotated into the operand."""
+    user = _whole(rec, graph, node, ref.numel()).to(torch.float64)
+    b, h, n = ref.shape[:3]
+    targets = as_heads(user, b, h, n, hd)
+    for op in path:
+        t = op.output
+        if op.index == node or not isinstance(t, torch.Tensor) or t.numel() != ref.numel():
+            continue
+        if t.is_complex() or not t.is_floating_point() or t.dim() < 3:
+            continue
+        above = graph.ancestors(op.index, stop=stops) - stops
+        if any(rec.ops[i].leaf is None and rec.ops[i].name not in LAYOUT_OPS for i in above):
+            continue
+        for form in as_heads(t.detach().to(torch.float64), b, h, n, hd):
+            for target in targets:
+                tables = fit_tables(form, target)
+                if tables is not None and tables.turns and tables.is_rotation():
+                    return read_side(form, target, [], 0.0, [])
+    return None
+
+
 class _Captured(BaseException):
     """Raised from the layer's forward hook once its output is taken: the wrapper stops
     there (a BaseException, so that the wrapper's own ``except Exception`` lets it by)."""
@@ -491,18 +527,24 @@ class ModuleProbe:
                 self._discovered_batched = x is batch
                 self.cross = st.cross is not None
                 self._context_width = d2 if d2 is not None else d
-                # read for its values, not only its shape: some call took it
+                # read for its values, not only its shape: some call took it, and what it
+                # made reaches the output (not a projection of it dropped on the way)
                 second = {op.index for op in rec.ops if op.leaf == "input:1"}
                 self._second_read = other is not None and any(
                     second & set(op.args) for op in rec.ops
                 )
+                end = rec.node_of(out) if isinstance(out, torch.Tensor) else None
+                if self._second_read and end is not None:
+                    self._second_read = "input:1" in Graph(rec).roots(end)
                 if st.weightless:
                     raise AttnScopeError(
                         f"{self.tgt.text}: its attention reads no projection weights; check it "
                         "as --kind simplified, or name its weights with --weights"
                     )
                 if st.call is not None:
-                    self.entry = self._entry(st, rec, batch)
+                    if other is not None and x is not batch:
+                        other = torch.randn(*batch.shape[:-1], d2, generator=self.discovery_gen)
+                    self.entry = self._entry(st, rec, batch, other)
                     self.notes.append(f"the attention layer checked is {st.layer!r}")
                     self._inherit_tokens_first()
                 else:
@@ -739,9 +781,13 @@ class ModuleProbe:
             raise AttnScopeError(f"{self.tgt.text}: the layer raised where it sits: {err}")
         return read_structure(rec, self.module)
 
-    def _entry(self, st: Structure, rec: Recorder, x: torch.Tensor) -> _Entry:
+    def _entry(
+        self, st: Structure, rec: Recorder, x: torch.Tensor, other: torch.Tensor | None = None
+    ) -> _Entry:
         """How to put a probe into a layer inside a wrapper: the arguments that carry its
-        hidden states (found by identity on a second, identical run) and their layout."""
+        hidden states (found by identity on a second, identical run) and their layout.
+        ``other``: the second input discovery gave the wrapper (of its own width), given
+        again."""
         node = st.input_node
         # the latest tensor made before the layer's call (or first seen inside it, a leaf)
         ancestors = Graph(rec).ancestors(node)
@@ -765,7 +811,7 @@ class ModuleProbe:
 
         handle = module.register_forward_pre_hook(grab, with_kwargs=True)
         try:
-            self._invoke_root(x)
+            self._invoke_root(x, other=other)
         except _Captured:
             pass
         finally:
@@ -932,6 +978,10 @@ class ModuleProbe:
         elif a["pair"]:  # a second input: another sequence in discovery (cross-attention?)
             if other is None and self.cross:
                 other = self._context(x32)
+            elif other is None and self._context_width not in (0, x32.shape[-1]):
+                # a second input of its own width that the attention does not read (yet):
+                # one like discovery's, the input's tokens wide
+                other = self._context(x32, same_length=True)
             args = (inp, inp if other is None else other)
         else:
             args = (inp,)
@@ -1057,13 +1107,14 @@ class ModuleProbe:
         self.cross = True
         self._context_width = self._context_width or self._root_width
 
-    def _context(self, x: torch.Tensor) -> torch.Tensor:
+    def _context(self, x: torch.Tensor, same_length: bool = False) -> torch.Tensor:
         """Cross-attention's other sequence for a call on ``x``: three tokens longer than
-        ``x`` (a key/value read from the wrong input then shows), the same for every call
-        of that size."""
-        key = tuple(x.shape[:-1])
+        ``x`` (a key/value read from the wrong input then shows; ``same_length``: as long),
+        the same for every call of that size."""
+        key = (*x.shape[:-1], same_length)
         if key not in self._contexts:
-            shape = (*x.shape[:-2], x.shape[-2] + 3, self._context_width)
+            extra = 0 if same_length else 3
+            shape = (*x.shape[:-2], x.shape[-2] + extra, self._context_width)
             self._contexts[key] = torch.randn(*shape, generator=self.discovery_gen)
         return self._contexts[key]
 
@@ -1081,11 +1132,27 @@ class ModuleProbe:
         except AttnScopeError:
             st = None
         if st is not None and st.roles["k"]:
+            g = Graph(rec)
             node = st.roles["k"][0].input_node
-            if node is not None and Graph(rec).roots(node) == {"input:1"}:
+            if node is not None and g.roots(node) == {"input:1"}:
                 t = rec.ops[node].output.detach().to(torch.float64)
                 if t.shape[:-1] == given.shape[:-1]:
                     given = t
+            elif st.call is not None:
+                # keys not read from it: the second sequence as the wrapper made it for the
+                # layer (Parler-TTS projects it first), the last such before the layer's call
+                width = st.roles["k"][0].w.shape[0]
+                for op in reversed(rec.ops[: st.call.start]):
+                    t = op.output
+                    if (
+                        isinstance(t, torch.Tensor)
+                        and t.is_floating_point()
+                        and t.shape[:-1] == given.shape[:-1]
+                        and t.shape[-1] == width
+                        and g.roots(op.index) == {"input:1"}
+                    ):
+                        given = t.detach().to(torch.float64)
+                        break
         return given if batched else given.unsqueeze(0)
 
     def _probe(self, x: torch.Tensor, causal_hint: bool = False) -> list[Call]:
@@ -1716,6 +1783,8 @@ class ModuleProbe:
                 )
                 if found is not None:
                     break
+            if found is None and word not in st.qk_norm and word in st.rotary:
+                found = _rotated_in_place(call.record, graph, path, stops, node, sources[0], hd)
             if found is None:
                 return None
             sides[role] = found

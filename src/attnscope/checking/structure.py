@@ -65,6 +65,8 @@ __all__ = [
 T = torch.Tensor
 
 _PRODUCT = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "einsum", "tensordot"}
+#: products with a term added (``baddbmm(added, a, b)``): their parameter names, in order
+_ADDED_PRODUCT = {"baddbmm": ["input", "batch1", "batch2"], "addmm": ["input", "mat1", "mat2"]}
 
 
 # ------------------------------------------------------------------------------ the core
@@ -128,6 +130,15 @@ def _product_sides(g: Graph, op: Op) -> tuple[int, int, int] | None:
     if len(tensors) != len(nodes):
         return None
     pairs = [(t, n) for t, n in zip(tensors, nodes, strict=True) if g.tainted[n]]
+    if op.name in _ADDED_PRODUCT:
+        # baddbmm(added, a, b) = beta * added + alpha * a @ b: the added term (a padding
+        # bias, often made from the input's shape as x.new_zeros) is no operand
+        named = _named_nodes(op, _ADDED_PRODUCT[op.name])
+        keep = [named.get(n) for n in _ADDED_PRODUCT[op.name][1:]]
+        if None in keep:
+            return None
+        by_node = {m: t for t, m in zip(tensors, nodes, strict=True)}
+        pairs = [(by_node[n], n) for n in keep if g.tainted[n]]
     if op.name == "einsum":
         sides = _einsum_sides(op)
         if sides is None or len(pairs) != 2:
@@ -774,11 +785,13 @@ class _Reader:
         f64 = torch.float64
         e, heads = a["embed_dim_to_check"], a["num_heads"]
         names = self.g.params_of(op)
+        nodes = _named_nodes(op, ["query", "key", "value"])
         q_node = op.args[0]
+        k_node, v_node = nodes.get("key", op.args[1]), nodes.get("value", op.args[2])
 
-        def proj(w, b) -> Projection:
+        def proj(w, b, node=q_node) -> Projection:
             return Projection(
-                op, w.detach().to(f64).T, None if b is None else b.detach().to(f64), names, q_node
+                op, w.detach().to(f64).T, None if b is None else b.detach().to(f64), names, node
             )
 
         bias = a.get("in_proj_bias")
@@ -786,8 +799,9 @@ class _Reader:
             ws = (a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"])
         else:
             ws = tuple(a["in_proj_weight"][i * e : (i + 1) * e] for i in range(3))
+        inputs = (q_node, k_node, v_node)
         roles = {
-            r: [proj(w, None if bias is None else bias[i * e : (i + 1) * e])]
+            r: [proj(w, None if bias is None else bias[i * e : (i + 1) * e], inputs[i])]
             for i, (r, w) in enumerate(zip(("q", "k", "v"), ws, strict=True))
         }
         out = proj(a["out_proj_weight"], a.get("out_proj_bias"))
@@ -803,7 +817,7 @@ class _Reader:
             heads=heads,
             kv_heads=heads,
             head_dim=e // heads,
-            cores=[Core(q_node, op.args[1], op.args[2], e // heads, fused=op)],
+            cores=[Core(q_node, k_node, v_node, e // heads, fused=op)],
         )
         if a.get("bias_k") is not None or a.get("bias_v") is not None:
             raise Unsupported(
@@ -822,13 +836,23 @@ class _Reader:
             shape = mask_shape(mask.bool() if mask.dtype == torch.bool else mask < -1e4)
             if shape is not None and shape[0] in ("causal", "anti-causal"):
                 s.causal = f"a {shape[0]} attn_mask at {op.location}"
-        roots = self.g.roots(op.args[0]), self.g.roots(op.args[1])
-        if roots[0] != roots[1]:
+        q_roots = self.g.roots(q_node)
+        if any(self.g.roots(n) - q_roots for n in (k_node, v_node)):
+            s.cross = op.location  # keys and values from another sequence
+        # one tensor for the keys and values (and the queries, in self-attention): what
+        # DETR adds to the queries and keys alone (a position embedding) is not modelled
+        given = [self.ops[n].output for n in (q_node, k_node, v_node)]
+        if not _same(given[1], given[2]) or (s.cross is None and not _same(given[0], given[1])):
+            which = "keys and values" if s.cross is not None else "queries, keys and values"
             raise Unsupported(
-                f"not supported yet: cross-attention (keys and values from another input than "
-                f"the queries) at {op.location}"
+                f"not supported yet: {which} given different tensors (a position embedding "
+                f"added to some of them only, as DETR adds it?) at {op.location}"
             )
         return s
+
+
+def _same(a: T, b: T) -> bool:
+    return a is b or (a.shape == b.shape and torch.equal(a, b))
 
 
 # ------------------------------------------------------------------------------ features

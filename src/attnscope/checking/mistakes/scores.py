@@ -171,6 +171,26 @@ def _batch_mixing(c: Context) -> list[Mutation]:
             scores=lambda q, k: q @ k.sum(0, keepdim=True).mT,
         ),
     ]
+    if c.spec.num_heads > 1:
+        # heads folded into the batch (b * h, t, d) in the other order for one side: a
+        # (heads, batch) fold read as (batch, heads) pairs a query head with another
+        # sequence's key heads
+        fold = "folded (heads, batch) into the batch axis, the queries (batch, heads)"
+        out += [
+            Mutation(
+                "batch_mixing",
+                _S,
+                f"keys {fold}",
+                scores=lambda q, k: q @ _refolded(k).mT,
+            ),
+            Mutation(
+                "batch_mixing",
+                _S,
+                f"keys and values {fold}",
+                scores=lambda q, k: q @ _refolded(k).mT,
+                context=lambda w, v: w @ _refolded(v),
+            ),
+        ]
     for what in ("keys", "keys and values"):
         out.append(
             Mutation(
@@ -185,6 +205,11 @@ def _batch_mixing(c: Context) -> list[Mutation]:
             )
         )
     return out
+
+
+def _refolded(t: T) -> T:
+    """``(B, H, ...)`` folded (heads, batch) and read back as (batch, heads)."""
+    return t.transpose(0, 1).reshape(t.shape)
 
 
 # ------------------------------------------------------------------ missing_scale, wrong_scale
