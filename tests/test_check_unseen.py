@@ -15,19 +15,6 @@ from attnscope import AttnScopeError, ModelReport, check
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
-    # round 10's first run (commit 53c679e)
-    "r10/b06_phi4mini_sdpa_mask_dropped": (
-        "inferred",
-        "a decoder whose mask is dropped reads as a correct encoder with the kind inferred",
-    ),
-    "r10/b11_functional_mha_k_weight_is_q": "F.multi_head_attention_forward with the keys' "
-    "weight the queries': passes",
-    "r10/b14_flex_alibi_score_mod_not_passed": "an ALiBi score_mod not passed: passes",
-    "r10/b16_torchtitan_window_le": "a window one key too wide (torchtitan mask_mod): passes",
-    "r10/b19_torchtitan_window_from_max_seq_len": "the window taken from max_seq_len: passes",
-    "r10/r02_talking_heads_pre_softmax": "talking heads given a verdict (not_dot_product)",
-    "r10/r04_diff_transformer_two_softmax": "differential attention given a verdict "
-    "(context_wrong_product)",
 }
 
 

@@ -37,6 +37,22 @@ MASKING_OPS |= {"mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "
 _WRITES = {"__setitem__", "index_put_", "index_copy_", "copy_", "scatter_", "index_add_"}
 
 
+_SOFTMAX_CALLS = {"softmax", "_softmax", "softmax_", "log_softmax", "exp", "exp2"}
+_SCORE_MIXING = {
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "linear",
+    "matmul",
+    "__matmul__",
+    "einsum",
+    "bmm",
+    "mm",
+    "tensordot",
+}
+_COMBINE = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__", "sub_", "rsub"}
+
+
 class Unsupported(AttnScopeError):
     """The layer holds something the checker does not model yet: no verdict is given."""
 
@@ -354,6 +370,33 @@ class Features:
                     op.location,
                 )
 
+    def _mixed_scores(self, op: Op, end: int) -> None:
+        """A product of the scores with a weight of their own (talking heads: a 1x1
+        convolution or an einsum mixing each position's score maps across the heads)."""
+        if op.name not in _SCORE_MIXING or op.index == end:
+            return
+        fixed = [a for a in op.args if not self.g.tainted[a] and self.ops[a].output.numel() > 1]
+        if not fixed:
+            return
+        learned = any(self.g.param[a] for a in fixed)
+        what = "a learned map" if learned else "a fixed matrix"
+        self._unmodelled(
+            f"the scores mixed across heads by {what} ({op.name}: talking heads?)", op.location
+        )
+
+    def _combined_softmaxes(self, op: Op, reach: set[int], after_softmax: set[int]) -> None:
+        """Weights that add or subtract two maps made by softmaxes (differential attention:
+        one softmax map minus a multiple of another)."""
+        if op.name not in _COMBINE:
+            return
+        made = {a for a in op.args if a in after_softmax and a in reach}
+        if len(made) >= 2:
+            self._unmodelled(
+                "attention weights combined from two softmax maps (one subtracted from or "
+                "added to another: differential attention?)",
+                op.location,
+            )
+
     def _score_path(self, core: Core) -> None:
         s = self.s
         if core.fused is not None:
@@ -365,6 +408,7 @@ class Features:
         for op in self.ops[start + 1 : end + 1]:
             if any(a in reach for a in op.args):
                 reach.add(op.index)
+        after_softmax: set[int] = set()  # made from a softmax (or its exp) on the path
         for i in sorted(reach):
             op = self.ops[i]
             if op.name == "tanh" and s.softcap is None and self._softmax_after(i, reach):
@@ -378,8 +422,12 @@ class Features:
                     self._refuse(f"{what} joined to the scores before the softmax", op.location)
             if i != start:
                 self._varying_factor(op, reach)
+                self._mixed_scores(op, end)
+                self._combined_softmaxes(op, reach, after_softmax)
             if op.name in ("sigmoid", "sigmoid_") and i != start:
                 self._shifted_sigmoid(op, reach)
+            if op.name in _SOFTMAX_CALLS or any(a in after_softmax for a in op.args):
+                after_softmax.add(i)
             if op.name not in MASKING_OPS or i == start:
                 continue
             evidence = self._mask_of(op, reach)

@@ -31,12 +31,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import AttnScopeError, describe
+from ..functional import alibi_slopes
 from ..stages import Kind, Stage
 from .alibi import Alibi, is_symmetric, read_slopes
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
 from .dataflow import LAYOUT_OPS, Graph
-from .features import Unsupported
+from .features import Unsupported, mask_shape
 from .judge import Call, Judge
 from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
 from .record import Op, Recorder, tensors_in
@@ -88,6 +89,9 @@ def _names_a_sequence(name: str) -> bool:
 
 
 #: where layers and configs declare a sliding window (Mistral, Qwen 2, Gemma 2, Phi-3, ...)
+#: the attributes a layer or model keeps its configuration in
+_CONFIG_HOLDERS = ("config", "model_args", "args")
+
 _WINDOW_NAMES = ("sliding_window", "sliding_window_size", "window_size", "attention_window")
 
 
@@ -1328,6 +1332,8 @@ class ModuleProbe:
             causal_why = "its outputs do not change when later tokens change"
         if causal_why is None:
             causal_why = self._causal_given_padding()
+        if causal_why is None:
+            causal_why = self._dropped_causal_mask()
         if causal_why:
             reasons.append(f"causal: {causal_why}")
             if multi and self.adapter["hf"]:  # a layer, or a block around it
@@ -1381,12 +1387,60 @@ class ModuleProbe:
             "masks the future: a decoder"
         )
 
+    def _dropped_causal_mask(self) -> str | None:
+        """A target whose own computation builds a causal mask for the probe's tokens and
+        then drops it (nothing reads it: ``mask = None`` on a path that expected the kernel's
+        ``is_causal``, a mask built and never applied): a decoder, as a triangular buffer the
+        layer holds and never applies is (:meth:`_declared_causal`); unless the layer or the
+        target declares it is not causal."""
+        if self.host is not None or self.adapter["hf"] or self.cross:
+            return None
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in (m, self.module):
+            for attr in ("is_causal", "causal", "is_decoder"):
+                if getattr(holder, attr, None) is False:
+                    return None
+        x = self.calls[0].given.float()
+        n = x.shape[-2]
+        if n < 3:
+            return None
+        rec = self._recorder(x)
+        try:
+            with rec:
+                _, err = self._invoke_root(x)
+        except Exception:  # noqa: BLE001 - a second run it does not take: nothing read
+            return None
+        if err is not None or len(rec.ops) >= rec.limit:
+            return None
+        g = Graph(rec)
+        read = {a for op in rec.ops for a in op.args}
+        for op in rec.ops:
+            t = op.output
+            if op.index in read or g.tainted[op.index] or op.leaf is not None or op.stale:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[-2:] != (n, n):
+                continue
+            if t.dtype == torch.bool:
+                hidden = [t, ~t]
+            elif t.is_floating_point():
+                hidden = [t < -1e4]
+                if bool(((t == 0) | (t == 1)).all()):
+                    hidden.append(t == 0)
+            else:
+                continue
+            if any(mask_shape(h) == ("causal", 1) for h in hidden):
+                return (
+                    f"it builds a causal mask at {op.location} and nothing reads it (a "
+                    "decoder's mask dropped?)"
+                )
+        return None
+
     def _alibi(self, heads: int) -> Alibi | None:
         """The reference's ALiBi when the computation adds a position bias to the scores,
         with the slopes it used as read from that bias."""
         st = self.structure
         if st is not None and st.bias is None and self.kind.causal:
-            handed = self._handed_alibi(heads)
+            handed = self._handed_alibi(heads) or self._held_alibi(heads)
             if handed is not None:
                 return handed
         if st is None or st.bias is None:
@@ -1428,6 +1482,59 @@ class ModuleProbe:
             self._cache["handed"] = alibi
             return alibi
         return None
+
+    def _held_alibi(self, heads: int) -> Alibi | None:
+        """ALiBi slopes the layer holds (a buffer or parameter of one value per head, the
+        geometric slopes of :func:`attnscope.functional.alibi_slopes`) that its output does
+        not depend on: a position bias built and never added (a ``score_mod`` defined and
+        not passed), which the judge then names ``bias_missing``; unless the layer or its
+        configuration switches ALiBi off (``alibi=False``, another
+        ``position_embedding_type``)."""
+        if "held" in self._cache:
+            return self._cache["held"]
+        self._cache["held"] = None
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in self._declaring(m):
+            if any(getattr(holder, a, None) is False for a in ("alibi", "use_alibi")):
+                return None  # declared, and switched off
+            kind = getattr(holder, "position_embedding_type", None)
+            if isinstance(kind, str) and "alibi" not in kind.lower():
+                return None  # another position embedding declared
+        want = alibi_slopes(heads).double()
+        seen: set[int] = set()
+        for name, t in [*m.named_buffers(), *m.named_parameters()]:
+            if id(t) in seen or not t.is_floating_point() or t.numel() != heads or heads < 2:
+                continue
+            seen.add(id(t))
+            if not torch.allclose(t.detach().double().flatten(), want, rtol=1e-4, atol=0):
+                continue
+            if self._reads_tensor(t):
+                continue
+            self.notes.append(
+                f"it holds ALiBi slopes ({name!r}, one per head) that its output does not depend on"
+            )
+            alibi = Alibi(heads, False, want, False)
+            self._cache["held"] = alibi
+            return alibi
+        return None
+
+    def _reads_tensor(self, t: torch.Tensor) -> bool:
+        """Whether the layer's output changes when this buffer or parameter does."""
+        base = self.calls[0]
+        x = base.given.float()
+        if x.dim() != 3:
+            return True
+        saved = t.detach().clone()
+        try:
+            with torch.no_grad():
+                t.mul_(2.0).add_(0.5)
+            out, err = self._invoke(x, self.causal_hint)
+        finally:
+            with torch.no_grad():
+                t.copy_(saved)
+        if err is not None or out is None or out.shape != base.out.shape:
+            return True
+        return not close(out.double(), base.out, rtol=1e-6)
 
     def _reads_argument(self, key) -> bool:
         """Whether the layer's output changes when this argument's finite entries do."""
@@ -1517,18 +1624,23 @@ class ModuleProbe:
             return None
         return st.window[0]
 
+    def _declaring(self, m: nn.Module) -> list:
+        """Where a layer's settings are declared: the layer and the target, and the
+        configuration each holds (a Hugging Face ``config``; the ``model_args`` or ``args``
+        dataclass of torchtitan- and Llama-style code)."""
+        out = []
+        for owner in (m, self.module):
+            out.append(owner)
+            out += [getattr(owner, a, None) for a in _CONFIG_HOLDERS]
+        return [h for h in out if h is not None]
+
     def _declared_local(self) -> int | None:
         """A bidirectional local window its layer or configuration declares, as keys a query
         sees (itself included): a ``(left, right)`` pair (ModernBERT's layers: ``(-1, -1)``
         for a global one), or one width split evenly on both sides (ModernBERT's and
         Longformer's configurations: ``w // 2`` keys on either side)."""
         m = self.entry.module if self.entry is not None else self.module
-        for holder in (
-            m,
-            getattr(m, "config", None),
-            self.module,
-            getattr(self.module, "config", None),
-        ):
+        for holder in self._declaring(m):
             for attr in ("local_attention", "attention_window"):
                 v = getattr(holder, attr, None)
                 if isinstance(v, tuple) and len(v) == 2:  # (a list is one width per layer)
@@ -1545,12 +1657,7 @@ class ModuleProbe:
         m = self.entry.module if self.entry is not None else self.module
         if "sliding_window" in vars(m) and m.sliding_window is None:
             return None  # the layer says it has none (a full-attention layer of its model)
-        for holder in (
-            m,
-            getattr(m, "config", None),
-            self.module,
-            getattr(self.module, "config", None),
-        ):
+        for holder in self._declaring(m):
             if getattr(holder, "use_sliding_window", True) is False:
                 continue  # declared, and switched off (Qwen 2 configs)
             for attr in _WINDOW_NAMES:

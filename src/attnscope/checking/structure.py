@@ -784,28 +784,52 @@ class _Reader:
         a = bound.arguments
         f64 = torch.float64
         e, heads = a["embed_dim_to_check"], a["num_heads"]
-        names = self.g.params_of(op)
         nodes = _named_nodes(op, ["query", "key", "value"])
         q_node = op.args[0]
         k_node, v_node = nodes.get("key", op.args[1]), nodes.get("value", op.args[2])
+        # each role's parameters by identity (the tensors handed to the call), so that a
+        # weight handed twice (keys made with the queries' weight) reads as one projection
+        by_id = {id(p): n for n, p in self.root.named_parameters()}
 
-        def proj(w, b, node=q_node) -> Projection:
+        def proj(w, b, w_of, b_of, node=q_node) -> Projection:
+            wn = tuple(n for n in (by_id.get(id(w_of)),) if n)
+            bn = tuple(n for n in (by_id.get(id(b_of)),) if n and b_of is not None)
             return Projection(
-                op, w.detach().to(f64).T, None if b is None else b.detach().to(f64), names, node
+                op,
+                w.detach().to(f64).T,
+                None if b is None else b.detach().to(f64),
+                wn + bn,
+                node,
+                weight_names=wn,
+                bias_names=bn,
             )
 
         bias = a.get("in_proj_bias")
         if a.get("use_separate_proj_weight"):
             ws = (a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"])
+            whole = ws
         else:
             ws = tuple(a["in_proj_weight"][i * e : (i + 1) * e] for i in range(3))
+            whole = (a["in_proj_weight"],) * 3
         inputs = (q_node, k_node, v_node)
+        bias_of = [None if bias is None else bias[i * e : (i + 1) * e] for i in range(3)]
         roles = {
-            r: [proj(w, None if bias is None else bias[i * e : (i + 1) * e], inputs[i])]
+            r: [proj(w, bias_of[i], whole[i], bias, inputs[i])]
             for i, (r, w) in enumerate(zip(("q", "k", "v"), ws, strict=True))
         }
-        out = proj(a["out_proj_weight"], a.get("out_proj_bias"))
+        out = proj(
+            a["out_proj_weight"],
+            a.get("out_proj_bias"),
+            a["out_proj_weight"],
+            a.get("out_proj_bias"),
+        )
         call = self._layer_call([Core(q_node, q_node, None, e // heads, fused=op)], roles)
+        handed = {id(v) for v in a.values() if isinstance(v, torch.Tensor)}
+        unused = [
+            (n, o)
+            for n, o in self._unused(call, None)
+            if id(o) not in handed and id(getattr(o, "weight", None)) not in handed
+        ]
         s = Structure(
             layer=call.path if call is not None else "",
             call=call,
@@ -813,7 +837,7 @@ class _Reader:
             roles=roles,
             shared={},
             out=out,
-            unused=[],
+            unused=unused,
             heads=heads,
             kv_heads=heads,
             head_dim=e // heads,
