@@ -75,12 +75,28 @@ def test_functional_mha_keys_made_with_the_query_weight_is_wrong_projection():
     assert _outcome(report) == ("keys", "wrong_projection"), report.to_text(color=False)
 
 
+class _MHABlock(nn.Module):
+    """nn.MultiheadAttention (one packed in_proj_weight) in a block that holds a linear of
+    the same shape it does not use here."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.spare = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + self.attn(x, x, x, need_weights=False)[0]
+
+
 def test_torch_multihead_attention_still_passes():
     def make():
         torch.manual_seed(0)
         return nn.MultiheadAttention(32, 4, batch_first=True)
 
     assert check(make, kind="multihead").ok
+    report = check(lambda: _MHABlock(), kind="multihead")
+    assert report.ok, report.to_text(color=False)
 
 
 # ------------------------------------------------------------ ALiBi slopes held, never added

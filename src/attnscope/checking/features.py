@@ -370,9 +370,9 @@ class Features:
                     op.location,
                 )
 
-    def _mixed_scores(self, op: Op, end: int) -> None:
-        """A product of the scores with a weight of their own (talking heads: a 1x1
-        convolution or an einsum mixing each position's score maps across the heads)."""
+    def _mixed_scores(self, op: Op, end: int, after_softmax: set[int]) -> None:
+        """A product of the scores (or weights) with a matrix of their own (talking heads: a
+        1x1 convolution or an einsum mixing each position's score maps across the heads)."""
         if op.name not in _SCORE_MIXING or op.index == end:
             return
         fixed = [a for a in op.args if not self.g.tainted[a] and self.ops[a].output.numel() > 1]
@@ -380,8 +380,9 @@ class Features:
             return
         learned = any(self.g.param[a] for a in fixed)
         what = "a learned map" if learned else "a fixed matrix"
+        maps = "weights" if any(a in after_softmax for a in op.args) else "scores"
         self._unmodelled(
-            f"the scores mixed across heads by {what} ({op.name}: talking heads?)", op.location
+            f"the {maps} mixed across heads by {what} ({op.name}: talking heads?)", op.location
         )
 
     def _combined_softmaxes(self, op: Op, reach: set[int], after_softmax: set[int]) -> None:
@@ -422,7 +423,7 @@ class Features:
                     self._refuse(f"{what} joined to the scores before the softmax", op.location)
             if i != start:
                 self._varying_factor(op, reach)
-                self._mixed_scores(op, end)
+                self._mixed_scores(op, end, after_softmax)
                 self._combined_softmaxes(op, reach, after_softmax)
             if op.name in ("sigmoid", "sigmoid_") and i != start:
                 self._shifted_sigmoid(op, reach)

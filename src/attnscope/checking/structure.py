@@ -824,10 +824,12 @@ class _Reader:
             a.get("out_proj_bias"),
         )
         call = self._layer_call([Core(q_node, q_node, None, e // heads, fused=op)], roles)
+        # weights the layer holds and did not hand over: where a weight handed twice should
+        # have come from (one packed in_proj_weight is cut three ways by design)
         handed = {id(v) for v in a.values() if isinstance(v, torch.Tensor)}
         unused = [
             (n, o)
-            for n, o in self._unused(call, None)
+            for n, o in (self._unused(call, None) if a.get("use_separate_proj_weight") else [])
             if id(o) not in handed and id(getattr(o, "weight", None)) not in handed
         ]
         s = Structure(
