@@ -228,3 +228,36 @@ def test_chunked_attention_is_refused_even_where_the_probe_is_shorter_than_a_chu
         check(lambda: _Chunked())
     with pytest.raises(AttnScopeError, match="chunks? of 3 tokens"):
         check(lambda: _Chunked(chunk=3), kind="causal-multihead")
+
+
+class _Gated(nn.Module):
+    """Multi-head attention whose context is gated by the input before the output
+    projection (AlphaFold's ``gating=True``, Qwen3-Next): ``sigmoid(W_g x) * context``;
+    ``scale`` instead multiplies it by a learned per-feature vector (a LayerScale, which is
+    no function of the input)."""
+
+    def __init__(self, d=32, heads=4, gate=True):
+        super().__init__()
+        self.h, self.gate = heads, gate
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.g = nn.Linear(d, d) if gate else None
+        self.scale = None if gate else nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // self.h), dim=-1)
+        ctx = (w @ v).transpose(1, 2).reshape(b, n, d)
+        ctx = torch.sigmoid(self.g(x)) * ctx if self.gate else self.scale * ctx
+        return self.o(ctx)
+
+
+@pytest.mark.parametrize(
+    "gate,words", [(True, "an output gate"), (False, "a factor that varies by feature")]
+)
+def test_a_gate_or_a_learned_scale_on_the_context_is_refused_naming_it(gate, words):
+    """Neither is a stage the reference models (the scale could be folded into the output
+    projection, which the reference does not do): refused by name, never judged."""
+    torch.manual_seed(0)
+    with pytest.raises(AttnScopeError, match=f"not supported yet: {words}"):
+        check(lambda: _Gated(gate=gate))

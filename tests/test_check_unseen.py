@@ -15,6 +15,14 @@ from attnscope import AttnScopeError, ModelReport, check
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
+    # round 11's first run (commit bbd3644)
+    "r11/b08_haiku_block_mask_not_passed": (
+        "inferred",
+        "a block that builds its mask and never passes it reads as a correct encoder with "
+        "the kind inferred",
+    ),
+    "r11/b16_uva_reshape_heads_first": "per-head [q|k|v] columns cut from a reshape that "
+    "also mixes tokens: context/other",
 }
 
 
@@ -48,9 +56,11 @@ _FEATURE_WORDS = {
     "chunked_attention": "chunk",
     "bias_kv": "bias key",
     "sigmoid_attention": "sigmoid",
-    "talking_heads": "head",
-    "output_gate": "gate",
-    "differential_attention": "softmax",
+    "talking_heads": "across heads",
+    "output_gate": "output gate",
+    "differential_attention": "two softmax",
+    "per_dim_scale": "factor",
+    "attention_sink": "attention sink",
 }
 
 
@@ -78,7 +88,10 @@ def _judge(path, expect, infer):
     if expect.get("unsupported") and expect["unsupported"] not in _MODELLED:
         with pytest.raises(AttnScopeError, match="not supported yet") as info:
             check(target, kind=kind, init=expect.get("init"))
-        assert _FEATURE_WORDS[expect["unsupported"]] in str(info.value)
+        # what the message says of the layer, its file's path (which names the feature)
+        # taken out
+        said = str(info.value).replace(str(path), "<file>")
+        assert _FEATURE_WORDS[expect["unsupported"]] in said, said
         return
     report = check(target, kind=kind, init=expect.get("init"))
     if expect.get("unsupported") == "model":  # several layers: checked now, layer by layer

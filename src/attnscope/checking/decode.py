@@ -775,7 +775,14 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
                 f"key for position {pos} (rotated for another position?)",
                 k_line,
             )
-        return None
+        wrong = [j for j, v in zip(keys, values, strict=False) if j is None and v != pos]
+        return (
+            "cache_other",
+            f"the values it attends over are right, and {len(wrong)} of the cached keys are no "
+            "token's key in the full pass: the cache holds keys made otherwise (stored before "
+            "the rotation, or in another layout?)",
+            k_line,
+        )
     later = values.count("later")
     if empty or later:
         what = " and ".join(

@@ -33,6 +33,8 @@ MASKING_OPS |= {"__sub__", "sub_"}
 MASKING_OPS |= {"mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
 
 
+#: elementwise products that gate a tensor
+_GATES = {"mul", "__mul__", "__rmul__", "mul_", "multiply"}
 #: calls that write into a tensor in place (a KV cache's update)
 _WRITES = {"__setitem__", "index_put_", "index_copy_", "copy_", "scatter_", "index_add_"}
 
@@ -177,6 +179,7 @@ class Features:
                 self._qk_path(role, node)
             self._joined_rows(core)
             self._score_path(core)
+            self._gated(core)
 
     def _cached(self, core: Core) -> None:
         """Keys or values written in place into a tensor not made from the input (a buffer,
@@ -295,6 +298,41 @@ class Features:
                     else f"a position- or feature-dependent factor on the {role}"
                 )
                 self.s.rotary.setdefault(role, (what, op.location))
+
+    def _gated(self, core: Core) -> None:
+        """The context multiplied, before the layer's output, by another function of the
+        input (AlphaFold's and Qwen3-Next's output gate, ``sigmoid(W_g x) * context``):
+        a learned gate the reference does not model (a fixed or learned scale, a
+        LayerScale, is no function of the input and is not one)."""
+        start = core.context if core.context is not None else core.fused
+        if start is None:
+            return
+        end = self.s.call.end if self.s.call is not None else len(self.ops)
+        if self.s.out is not None:
+            end = min(end, self.s.out.op.index)
+        made = self.g.descendants(start.index)
+        for op in self.ops[start.index + 1 : end]:
+            if op.index not in made or op.name not in _GATES:
+                continue
+            others = [a for a in op.args if a not in made and self.g.tainted[a]]
+            if any(self.ops[a].output.numel() > 1 for a in others):
+                self._unmodelled(
+                    "an output gate (the context multiplied by another function of the input, "
+                    "sigmoid(W_g x) * context?)",
+                    op.location,
+                )
+                return
+            for a in op.args:
+                t = self.ops[a].output.detach()
+                if a in made or self.g.tainted[a] or t.numel() <= 1 or not t.is_floating_point():
+                    continue
+                if not bool((t.flatten() == t.flatten()[0]).all()):
+                    self._unmodelled(
+                        "a factor that varies by feature on the context before the output "
+                        "projection (a LayerScale inside the layer?)",
+                        op.location,
+                    )
+                    return
 
     def _unmodelled(self, what: str, where: str | None) -> None:
         if not any(w == what for w, _ in self.s.unmodelled):

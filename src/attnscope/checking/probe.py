@@ -88,6 +88,24 @@ def _names_a_sequence(name: str) -> bool:
     return any(h in words if len(h) <= 2 else h in low for h in _SEQUENCE_HINTS)
 
 
+#: where a layer (or the config it is built from) says which kind of attention it is
+_TYPE_NAMES = ("attn_type", "attention_type", "layer_type")
+
+
+def _declares_global(holder) -> bool:
+    """Whether ``holder`` declares its attention global (full): an attention type of
+    ``GLOBAL`` or ``"full_attention"`` beside a window size it holds for local layers
+    (gemma_pytorch's ``AttentionType``, Hugging Face's layer types)."""
+    for attr in _TYPE_NAMES:
+        v = getattr(holder, attr, None)
+        word = getattr(v, "name", v)  # an Enum member by its name
+        if isinstance(word, str):
+            low = word.lower()
+            if ("global" in low or "full" in low) and "sliding" not in low and "local" not in low:
+                return True
+    return False
+
+
 #: where layers and configs declare a sliding window (Mistral, Qwen 2, Gemma 2, Phi-3, ...)
 #: the attributes a layer or model keeps its configuration in
 _CONFIG_HOLDERS = ("config", "model_args", "args")
@@ -1660,6 +1678,8 @@ class ModuleProbe:
         for holder in self._declaring(m):
             if getattr(holder, "use_sliding_window", True) is False:
                 continue  # declared, and switched off (Qwen 2 configs)
+            if _declares_global(holder):
+                return None  # a window size held, and the layer's type says global
             for attr in _WINDOW_NAMES:
                 v = getattr(holder, attr, None)
                 if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -1817,6 +1837,10 @@ class ModuleProbe:
                 kept.append((w, dataclasses.replace(spec, rope=rope, qk_norm=norm)))
         if not kept:
             what, where = next(iter({**st.qk_norm, **st.rotary}.values()))
+            if st.unmodelled:
+                # an operation the reference does not model, seen on the way, is why no
+                # reading explains the rotation (a gate made with the queries): named first
+                what, where = st.unmodelled[0]
             if st.cache is not None:  # the keys are a cache's, not the sequence's: why
                 what, where = st.cache
             raise Unsupported(f"not supported yet: {what}" + (f" at {where}" if where else ""))

@@ -1,0 +1,87 @@
+"""SAM Attention: _separate_heads reshapes straight to (b, heads, n, c_per_head) without the transpose
+
+Base: Segment Anything TwoWayTransformer-style cross-attention (token -> image): Attention with
+downsample_rate 2 (internal_dim 32, 4 heads of 8), q/k/v/out projections, _separate_heads /
+_recombine_heads, attn = q @ k.permute(0, 1, 3, 2) / sqrt(c_per_head), softmax, out_proj; the block
+adds the result to the prompt tokens and LayerNorms them.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class Attention(nn.Module):
+    def __init__(self, embedding_dim, num_heads, downsample_rate=1, kv_in_dim=None):
+        super().__init__()
+        self.embedding_dim = embedding_dim
+        self.kv_in_dim = kv_in_dim if kv_in_dim is not None else embedding_dim
+        self.internal_dim = embedding_dim // downsample_rate
+        self.num_heads = num_heads
+        assert self.internal_dim % num_heads == 0, "num_heads must divide embedding_dim."
+        self.q_proj = nn.Linear(embedding_dim, self.internal_dim)
+        self.k_proj = nn.Linear(self.kv_in_dim, self.internal_dim)
+        self.v_proj = nn.Linear(self.kv_in_dim, self.internal_dim)
+        self.out_proj = nn.Linear(self.internal_dim, embedding_dim)
+
+    def _separate_heads(self, x: Tensor, num_heads: int) -> Tensor:
+        b, n, c = x.shape
+        x = x.reshape(b, num_heads, n, c // num_heads)
+        return x
+
+    def _recombine_heads(self, x: Tensor) -> Tensor:
+        b, n_heads, n_tokens, c_per_head = x.shape
+        x = x.transpose(1, 2)
+        return x.reshape(b, n_tokens, n_heads * c_per_head)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q = self.q_proj(q)
+        k = self.k_proj(k)
+        v = self.v_proj(v)
+        q = self._separate_heads(q, self.num_heads)
+        k = self._separate_heads(k, self.num_heads)
+        v = self._separate_heads(v, self.num_heads)
+        _, _, _, c_per_head = q.shape
+        attn = q @ k.permute(0, 1, 3, 2)
+        attn = attn / math.sqrt(c_per_head)
+        attn = torch.softmax(attn, dim=-1)
+        out = attn @ v
+        out = self._recombine_heads(out)
+        out = self.out_proj(out)
+        return out
+
+
+class TokenToImageBlock(nn.Module):
+    def __init__(self, embedding_dim=64, num_heads=4, kv_in_dim=48):
+        super().__init__()
+        self.cross_attn_token_to_image = Attention(
+            embedding_dim, num_heads, downsample_rate=2, kv_in_dim=kv_in_dim
+        )
+        self.norm2 = nn.LayerNorm(embedding_dim)
+
+    def forward(self, queries: Tensor, keys: Tensor) -> Tensor:
+        attn_out = self.cross_attn_token_to_image(q=queries, k=keys, v=keys)
+        queries = queries + attn_out
+        return self.norm2(queries)
+
+
+def make_sam_token_to_image():
+    torch.manual_seed(1106)
+    block = TokenToImageBlock()
+    with torch.no_grad():
+        block.norm2.weight.uniform_(0.5, 1.5)
+        block.norm2.bias.uniform_(-0.2, 0.2)
+    return block.eval()
+
+
+EXPECT = {
+    "target": "make_sam_token_to_image",
+    "kind": "cross",
+    "ok": False,
+    "layer": "cross_attn_token_to_image",
+    "stage": "queries",
+    "mistake": "heads_split",
+    "style": "SAM Attention: _separate_heads reshapes straight to (b, heads, n, c_per_head) without "
+    "the transpose",
+}

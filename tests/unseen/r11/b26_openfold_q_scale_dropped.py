@@ -1,0 +1,117 @@
+"""OpenFold Attention: the q /= sqrt(c_hidden) line dropped from _prep_qkv (as if the kernel scaled)
+
+Base: OpenFold-style (AlphaFold 2) Attention: linear_q/k/v without bias (c_hidden per head), heads via
+view(..., no_heads, -1).transpose(-2, -3), q /= sqrt(c_hidden), _attention with
+permute_final_dims(key, (1, 0)), additive biases (here the MSA mask bias inf * (mask - 1), all
+zero), softmax, output transposed back, flatten_final_dims and linear_o. gating=False.
+Wrapped as a row-attention module: LayerNorm then attention over the residue axis.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+
+def permute_final_dims(tensor, inds):
+    zero_index = -1 * len(inds)
+    first_inds = list(range(len(tensor.shape[:zero_index])))
+    return tensor.permute(first_inds + [zero_index + i for i in inds])
+
+
+def flatten_final_dims(t, no_dims):
+    return t.reshape(t.shape[:-no_dims] + (-1,))
+
+
+def _attention(query, key, value, biases):
+    key = permute_final_dims(key, (1, 0))
+    a = torch.matmul(query, key)
+    for b in biases:
+        a = a + b
+    a = torch.softmax(a, dim=-1)
+    a = torch.matmul(a, value)
+    return a
+
+
+class Attention(nn.Module):
+    def __init__(self, c_q, c_k, c_v, c_hidden, no_heads, gating=True):
+        super().__init__()
+        self.c_q = c_q
+        self.c_k = c_k
+        self.c_v = c_v
+        self.c_hidden = c_hidden
+        self.no_heads = no_heads
+        self.gating = gating
+        self.linear_q = nn.Linear(self.c_q, self.c_hidden * self.no_heads, bias=False)
+        self.linear_k = nn.Linear(self.c_k, self.c_hidden * self.no_heads, bias=False)
+        self.linear_v = nn.Linear(self.c_v, self.c_hidden * self.no_heads, bias=False)
+        self.linear_o = nn.Linear(self.c_hidden * self.no_heads, self.c_q)
+        self.linear_g = None
+        if self.gating:
+            self.linear_g = nn.Linear(self.c_q, self.c_hidden * self.no_heads)
+        self.sigmoid = nn.Sigmoid()
+
+    def _prep_qkv(self, q_x, kv_x):
+        q = self.linear_q(q_x)
+        k = self.linear_k(kv_x)
+        v = self.linear_v(kv_x)
+        q = q.view(q.shape[:-1] + (self.no_heads, -1))
+        k = k.view(k.shape[:-1] + (self.no_heads, -1))
+        v = v.view(v.shape[:-1] + (self.no_heads, -1))
+        q = q.transpose(-2, -3)
+        k = k.transpose(-2, -3)
+        v = v.transpose(-2, -3)
+        return q, k, v
+
+    def _wrap_up(self, o, q_x):
+        if self.linear_g is not None:
+            g = self.sigmoid(self.linear_g(q_x))
+            g = g.view(g.shape[:-1] + (self.no_heads, -1))
+            o = o * g
+        o = flatten_final_dims(o, 2)
+        o = self.linear_o(o)
+        return o
+
+    def forward(self, q_x, kv_x, biases=None):
+        if biases is None:
+            biases = []
+        q, k, v = self._prep_qkv(q_x, kv_x)
+        o = _attention(q, k, v, biases)
+        o = o.transpose(-2, -3)
+        o = self._wrap_up(o, q_x)
+        return o
+
+
+class MSARowAttention(nn.Module):
+    def __init__(self, c_m=64, c_hidden=16, no_heads=4, inf=1e9):
+        super().__init__()
+        self.layer_norm_m = nn.LayerNorm(c_m)
+        self.mha = Attention(c_m, c_m, c_m, c_hidden, no_heads, gating=False)
+        self.inf = inf
+
+    def forward(self, m):
+        mask = m.new_ones(m.shape[:-1])
+        mask_bias = (self.inf * (mask - 1))[..., :, None, None, :]
+        m = self.layer_norm_m(m)
+        return self.mha(q_x=m, kv_x=m, biases=[mask_bias])
+
+
+def make_openfold_row_attention():
+    torch.manual_seed(1110)
+    mod = MSARowAttention()
+    with torch.no_grad():
+        mod.layer_norm_m.weight.uniform_(0.5, 1.5)
+        mod.layer_norm_m.bias.uniform_(-0.2, 0.2)
+    return mod.eval()
+
+
+EXPECT = {
+    "target": "make_openfold_row_attention",
+    "kind": "multihead",
+    "ok": False,
+    "layer": "mha",
+    "stage": "scaled_scores",
+    "mistake": "missing_scale",
+    "style": "OpenFold Attention: the q /= sqrt(c_hidden) line dropped from _prep_qkv (as if the "
+    "kernel scaled)",
+}
