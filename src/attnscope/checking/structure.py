@@ -259,11 +259,12 @@ class _Reader:
         self.block: tuple[int, int] | None = None
 
     # -- projections and the core
-    def layers(self) -> list[str]:
+    def layers(self, scanned: tuple | None = None) -> list[str]:
         """The dotted module path of every attention layer the record ran, in run order:
         cores of products or fused calls, and ``nn.MultiheadAttention`` calls (the
-        innermost submodule call around each ``multi_head_attention_forward``)."""
-        cores, projs, _, _ = self._scan()
+        innermost submodule call around each ``multi_head_attention_forward``).
+        ``scanned``: what :meth:`_scan` returned, where it already ran."""
+        cores, projs, _, _ = scanned or self._scan()
         found: list[tuple[int, str]] = []
         for core in cores:
             roles = {
@@ -289,9 +290,10 @@ class _Reader:
         return paths
 
     def read(self) -> Structure:
-        cores, projs, after_context, mha = self._scan()
+        scanned = self._scan()
+        cores, projs, after_context, mha = scanned
         if mha is not None:
-            if len(self.layers()) > 1:  # nn.TransformerEncoder: one nn.MultiheadAttention a layer
+            if len(self.layers(scanned)) > 1:  # nn.TransformerEncoder: one a layer
                 raise SeveralLayers(
                     "holds several attention layers, one after the other (a whole model)"
                 )
