@@ -393,6 +393,17 @@ class _Entry:
         self._entered = (x, sub)
         return sub
 
+    def handed(self, sub: torch.Tensor, args: tuple, kwargs: dict, change=None):
+        """The layer's ``(args, kwargs)`` with the probe ``sub`` where its hidden states go,
+        and ``change`` (``(argument, fn)``) applied to another of them."""
+        args = tuple(sub if i in self.positions else a for i, a in enumerate(args))
+        kwargs = {k: sub if k in self.positions else v for k, v in kwargs.items()}
+        if change is not None:
+            key, fn = change
+            args = tuple(fn(a) if i == key else a for i, a in enumerate(args))
+            kwargs = {k: fn(v) if k == key else v for k, v in kwargs.items()}
+        return args, kwargs
+
     def leave(self, out: torch.Tensor, b: int, n: int) -> torch.Tensor:
         """The layer's output back in ``(B, T, d)``."""
         if self.tokens_first and out.dim() == 3:
@@ -1059,13 +1070,7 @@ class ModuleProbe:
             return self._invoke_in_model(sub, *x32.shape[:2], change)
 
         def swap(mod, args, kwargs):
-            args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
-            kwargs = {k: sub if k in e.positions else v for k, v in kwargs.items()}
-            if change is not None:
-                key, fn = change
-                args = tuple(fn(a) if i == key else a for i, a in enumerate(args))
-                kwargs = {k: fn(v) if k == key else v for k, v in kwargs.items()}
-            return args, kwargs
+            return e.handed(sub, args, kwargs, change)
 
         def take(mod, args, out):
             raise _Captured(out)
@@ -1097,13 +1102,7 @@ class ModuleProbe:
         got = self.host.arguments(e.module, b, n)
         if isinstance(got, str):
             return None, got
-        args, kwargs = got
-        args = tuple(sub if i in e.positions else a for i, a in enumerate(args))
-        kwargs = {k: sub if k in e.positions else v for k, v in kwargs.items()}
-        if change is not None:
-            key, fn = change
-            args = tuple(fn(a) if i == key else a for i, a in enumerate(args))
-            kwargs = {k: fn(v) if k == key else v for k, v in kwargs.items()}
+        args, kwargs = e.handed(sub, *got, change)
         result, err = call_safely(e.module, *args, timeout=self.timeout, **kwargs)
         if err is not None:
             return None, err
@@ -1536,6 +1535,14 @@ class ModuleProbe:
             return alibi
         return None
 
+    def _moved(self, out: torch.Tensor | None, err) -> bool:
+        """Whether a changed call's output differs from the first probe's (one that failed
+        or changed shape counts as read: nothing is concluded from it)."""
+        base = self.calls[0]
+        if err is not None or out is None or out.shape != base.out.shape:
+            return True
+        return not close(out.double(), base.out, rtol=1e-6)
+
     def _reads_tensor(self, t: torch.Tensor) -> bool:
         """Whether the layer's output changes when this buffer or parameter does."""
         base = self.calls[0]
@@ -1550,9 +1557,7 @@ class ModuleProbe:
         finally:
             with torch.no_grad():
                 t.copy_(saved)
-        if err is not None or out is None or out.shape != base.out.shape:
-            return True
-        return not close(out.double(), base.out, rtol=1e-6)
+        return self._moved(out, err)
 
     def _reads_argument(self, key) -> bool:
         """Whether the layer's output changes when this argument's finite entries do."""
@@ -1569,9 +1574,7 @@ class ModuleProbe:
             return torch.where(finite, a + noise, a)
 
         out, err = self._invoke_layer(x, self.causal_hint, change=(key, nudge))
-        if err is not None or out is None or out.shape != base.out.shape:
-            return True
-        return not close(out.double(), base.out, rtol=1e-6)
+        return self._moved(out, err)
 
     def _declared_cross(self) -> str | None:
         """A layer that says it is cross-attention (``is_cross_attention=True``, as BLIP-2's
