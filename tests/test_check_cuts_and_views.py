@@ -250,3 +250,39 @@ def test_a_model_that_masks_the_future_given_a_padding_mask_is_a_decoder(decoder
     report = check(lambda: _PaddedBody(decoder))
     assert outcome(report) == want, report.to_text(color=False)
     assert report.kind == ("causal-multihead" if decoder else "multihead")
+
+
+class _FusedCut(nn.Module):
+    """One combined projection cut into heads: right (tokens, then heads), or reshaped
+    heads-first straight from ``(B, T, 3*D)`` (per-head ``[q|k|v]`` columns chunked on the
+    last axis, or ``[q|k|v]`` blocks unbound from a ``(B, 3, H, T, hd)`` view)."""
+
+    def __init__(self, packing: str, wrong: bool, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(3)
+        self.packing, self.wrong, self.h = packing, wrong, heads
+        self.qkv_proj = nn.Linear(d, 3 * d)
+        self.o_proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        qkv = self.qkv_proj(x)
+        if self.packing == "per-head":
+            shape = (b, self.h, n, -1) if self.wrong else (b, n, self.h, -1)
+            qkv = qkv.reshape(shape)
+            q, k, v = (qkv if self.wrong else qkv.transpose(1, 2)).chunk(3, -1)
+        else:
+            shape = (b, 3, self.h, n, -1) if self.wrong else (b, n, 3, self.h, -1)
+            qkv = qkv.reshape(shape)
+            q, k, v = (qkv if self.wrong else qkv.permute(0, 2, 3, 1, 4)).unbind(1)
+        w = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+        return self.o_proj((w @ v).transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize("packing", ["per-head", "blocks"])
+def test_a_combined_projection_reshaped_heads_first_is_a_heads_split(packing):
+    """Reshaping the combined output heads-first mixes tokens into q, k and v at once: the
+    first failure is the queries' split (round 11, b16); the right cut passes."""
+    assert check(lambda: _FusedCut(packing, False), kind="multihead").ok
+    report = check(lambda: _FusedCut(packing, True), kind="multihead")
+    assert outcome(report) == ("queries", "heads_split"), report.to_text(color=False)

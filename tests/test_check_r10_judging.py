@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -300,6 +301,28 @@ def test_a_causal_mask_handed_on_is_read_as_causal():
 def test_a_causal_mask_built_and_dropped_makes_a_decoder_missing_its_mask():
     report = check(lambda: _MaskingModel(drop=True))  # the kind inferred
     assert report.kind == "causal-multihead", report.kind_reason
+    assert _outcome(report) == ("masked_scores", "missing_mask"), report.to_text(color=False)
+
+
+class _NumpyMaskModel(nn.Module):
+    """A block that builds its causal mask with numpy (never a torch call the record sees)
+    and calls the layer without it (round 11, b08)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = _MaskedLayer()
+
+    def forward(self, x):
+        n = x.shape[1]
+        causal = torch.from_numpy(np.tril(np.ones((1, 1, n, n), dtype=bool)))  # noqa: F841
+        return x + self.layer(x, None)
+
+
+def test_a_causal_mask_built_outside_torch_and_dropped_makes_a_decoder():
+    report = check(lambda: _NumpyMaskModel())  # the kind inferred
+    assert report.kind == "causal-multihead", report.kind_reason
+    assert "causal mask" in report.kind_reason
     assert _outcome(report) == ("masked_scores", "missing_mask"), report.to_text(color=False)
 
 

@@ -15,14 +15,6 @@ from attnscope import AttnScopeError, ModelReport, check
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
-    # round 11's first run (commit bbd3644)
-    "r11/b08_haiku_block_mask_not_passed": (
-        "inferred",
-        "a block that builds its mask and never passes it reads as a correct encoder with "
-        "the kind inferred",
-    ),
-    "r11/b16_uva_reshape_heads_first": "per-head [q|k|v] columns cut from a reshape that "
-    "also mixes tokens: context/other",
 }
 
 

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import re
 import sys
 
@@ -40,7 +41,7 @@ from .dataflow import LAYOUT_OPS, Graph
 from .features import Unsupported, mask_shape
 from .judge import Call, Judge
 from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
-from .record import Op, Recorder, tensors_in
+from .record import Op, Recorder, short_path, tensors_in
 from .reference import Spec, Weights, project, split
 from .report import CheckReport, single_head
 from .rotary import Rope, as_heads, fit_tables, read_rope
@@ -1423,7 +1424,7 @@ class ModuleProbe:
             return None
         rec = self._recorder(x)
         try:
-            with rec:
+            with rec, _locals_at_return() as local:
                 _, err = self._invoke_root(x)
         except Exception:  # noqa: BLE001 - a second run it does not take: nothing read
             return None
@@ -1431,6 +1432,17 @@ class ModuleProbe:
             return None
         g = Graph(rec)
         read = {a for op in rec.ops for a in op.args}
+        for where, t in local:
+            # made outside torch's calls (``torch.from_numpy(np.tril(...))``) and never
+            # handed to one: the record never saw it; the frame that held it did
+            if rec.saw(t) or t.dim() < 2 or t.shape[-2:] != (n, n):
+                continue
+            hidden = [t, ~t] if t.dtype == torch.bool else []
+            if any(mask_shape(h) == ("causal", 1) for h in hidden):
+                return (
+                    f"it builds a causal mask at {where} and nothing reads it (a decoder's "
+                    "mask dropped?)"
+                )
         for op in rec.ops:
             t = op.output
             if op.index in read or g.tainted[op.index] or op.leaf is not None or op.stale:
@@ -2042,3 +2054,27 @@ class ModuleProbe:
         report.structure = self._structure_report(judge.spec or options[0][1])
         report.layer = self.entry.path if self.entry is not None else None
         return report
+
+
+@contextlib.contextmanager
+def _locals_at_return():
+    """The tensors held in local variables of the target's own Python frames when they
+    return, with ``file:line`` of the return: what a run built outside torch's calls.
+    Yields a list that fills while the block runs."""
+    found: list[tuple[str, torch.Tensor]] = []
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)), "<")
+    previous = sys.getprofile()
+
+    def hook(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event != "return" or path.startswith(skip) or "site-packages" in path:
+            return
+        for name, value in frame.f_locals.items():
+            if isinstance(value, torch.Tensor):
+                found.append((f"{short_path(path)}:{frame.f_lineno} ({name})", value))
+
+    sys.setprofile(hook)
+    try:
+        yield found
+    finally:
+        sys.setprofile(previous)

@@ -210,6 +210,10 @@ class Recorder(TorchFunctionMode):
         """The node of ``tensor`` as it is now, if it was recorded."""
         return self._node.get((id(tensor), tensor._version))
 
+    def saw(self, tensor: torch.Tensor) -> bool:
+        """Whether the run made or read ``tensor`` through a recorded call."""
+        return id(tensor) in self._latest
+
     def _add(self, tensor, name, location, args=(), leaf=None, call=None, position=0) -> int:
         func, cargs, ckwargs = call if call is not None else (None, (), {})
         op = Op(

@@ -183,4 +183,53 @@ def _heads_split(c: Context) -> list[Mutation]:
                     "heads_split", stage, f"heads of {stage} cut from {how}", split=_only(i, bad)
                 )
             )
+    if c.combined_qkv and c.spec.kv == c.spec.num_heads:
+        out += _fused_splits(c.spec.num_heads)
+    return out
+
+
+def _unsplit(h: T) -> T:
+    """The inverse of the reference's split: ``(B, H, T, hd) -> (B, T, H*hd)``."""
+    return h.transpose(1, 2).reshape(h.shape[0], h.shape[2], -1)
+
+
+def _fused_splits(heads: int) -> list[Mutation]:
+    """One combined projection's output ``(B, T, 3*D)`` reshaped heads-first before q, k
+    and v are cut from it: each cut mixes tokens, and the mixing reaches q, k and v
+    together, so it is a mutation of all three at once (for either packing of the weight:
+    per head ``[q_h|k_h|v_h]``, or ``[q|k|v]`` blocks)."""
+
+    def pack(q: T, k: T, v: T, per_head: bool) -> T:
+        b, n, d = q.shape
+        if per_head:
+            return torch.stack([t.view(b, n, heads, -1) for t in (q, k, v)], 3).reshape(b, n, -1)
+        return torch.cat([q, k, v], -1)
+
+    def cut(per_head: bool, heads_first: bool):
+        def qkv(q: T, k: T, v: T) -> tuple[T, T, T]:
+            b, n, d = q.shape
+            packed = pack(q, k, v, per_head)
+            if heads_first:  # (B, H, T, 3*hd), then chunked on the last axis
+                parts = packed.reshape(b, heads, n, -1).chunk(3, -1)
+            else:  # (B, 3, H, T, hd), then unbound on the second
+                parts = packed.reshape(b, 3, heads, n, -1).unbind(1)
+            return tuple(_unsplit(p) for p in parts)
+
+        return qkv
+
+    # both packings give the same raw output (each under its own reading of the weight),
+    # so the label names the reshape, not the packing
+    out = []
+    for heads_first in (True, False):
+        shape = "(b, heads, tokens, 3*head_dim)" if heads_first else "(b, 3, heads, tokens, hd)"
+        for per_head in (True, False):
+            out.append(
+                Mutation(
+                    "heads_split",
+                    Stage.QUERIES,
+                    f"the combined q/k/v projection's output reshaped straight to {shape}, "
+                    "mixing tokens and features",
+                    qkv=cut(per_head, heads_first),
+                )
+            )
     return out
