@@ -335,3 +335,51 @@ def test_pytorchs_own_transformer_encoder_is_checked_layer_by_layer(batch_first)
     assert isinstance(report, ModelReport) and report.ok, report.to_text(color=False)
     assert [p for p, _ in report.layers] == [f"layers.{i}.self_attn" for i in range(3)]
     assert all(r.kind == "multihead" for _, r in report.layers)
+
+
+class _Stacks(torch.nn.Module):
+    """Two stacks of one layer class (``nn.MultiheadAttention``): an encoder's, never
+    masked, and a decoder's, masked where ``masked`` says (x-transformers' build loop that
+    pops ``causal`` leaves all but its first layer without the mask)."""
+
+    def __init__(self, masked=(True, True), vocab=50, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.masked = masked
+        self.emb = torch.nn.Embedding(vocab, d)
+        mha = lambda: torch.nn.MultiheadAttention(d, heads, batch_first=True)  # noqa: E731
+        self.encoder = torch.nn.ModuleList(mha() for _ in range(2))
+        self.decoder = torch.nn.ModuleList(mha() for _ in masked)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        e = h = self.emb(ids)
+        for layer in self.encoder:
+            e = e + layer(e, e, e, need_weights=False)[0]
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        for layer, masked in zip(self.decoder, self.masked, strict=True):
+            h = h + layer(h, h, h, attn_mask=future if masked else None, need_weights=False)[0]
+        return self.head(h + e)
+
+
+def test_a_stack_of_one_layer_class_is_one_kind_when_the_kind_is_inferred():
+    """The decoder's later layers built without the mask its first one has are checked as
+    the decoder layers they are (missing_mask); the encoder's stack, unmasked throughout,
+    stays an encoder."""
+    report = check(lambda: _Stacks((True, False)).eval())
+    kinds = {p: r.kind for p, r in report.layers}
+    assert kinds == {
+        "encoder.0": "multihead",
+        "encoder.1": "multihead",
+        "decoder.0": "causal-multihead",
+        "decoder.1": "causal-multihead",
+    }
+    assert "its stack" in dict(report.layers)["decoder.1"].kind_reason
+    failure = report.first_failure
+    assert (report.first_layer, failure.stage.value, failure.mistake) == (
+        "decoder.1",
+        "masked_scores",
+        "missing_mask",
+    )
+    assert check(lambda: _Stacks((True, True)).eval()).ok

@@ -12,14 +12,7 @@ from attnscope import ModelReport, check
 
 #: the first run left these open: each is a strict expected failure, so that the day it is
 #: fixed the test says so and leaves the list
-_OPEN: dict[str, str | tuple[str, str]] = {
-    # m3's first run (commit 90993cb)
-    "11_xtransformers_wrapper_causal_kwarg_popped": (
-        "inferred",
-        "a layer built without its causal mask reads as a correct encoder layer with the kind "
-        "inferred",
-    ),
-}
+_OPEN: dict[str, str | tuple[str, str]] = {}
 
 
 def _cases():

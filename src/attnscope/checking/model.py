@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 
 import torch
 from torch import nn
@@ -154,6 +155,47 @@ def _tokens_first(host: ModelHost) -> bool:
     return bool(only_first_changed(1))
 
 
+def _stack_of(path: str, layer: nn.Module) -> tuple:
+    """Layers of one stack: at the same place in each repeated block (the path with its
+    indices wildcarded: ``h.*.attn``), of one class with the same parameters' shapes. An
+    encoder's and a decoder's stacks are different places (``encoder.layers.*.self_attn``,
+    ``decoder.layers.*.self_attn``)."""
+    shapes = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", path), type(layer), shapes
+
+
+def _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens):
+    """With the kind inferred, the layers of one stack (:func:`_stack_of`) are one kind: where
+    some mask the future and others do not, the others are checked as the causal kind their
+    stack is (a decoder whose later layers were built without their mask, x-transformers'
+    ``attn_kwargs.pop("causal")`` in its build loop)."""
+    stacks: dict[tuple, list[int]] = {}
+    for i, ((path, _), layer) in enumerate(zip(reports, layers, strict=True)):
+        stacks.setdefault(_stack_of(path, layer), []).append(i)
+    out = list(reports)
+    for members in stacks.values():
+        kinds = [Kind.of(reports[i][1].kind) for i in members]
+        causal = [i for i, k in zip(members, kinds, strict=True) if k.causal]
+        if not causal or len(causal) == len(members) or any(k.cross for k in kinds):
+            continue
+        first = reports[causal[0]][0]
+        for i, k in zip(members, kinds, strict=True):
+            if k.causal:
+                continue
+            path, layer = reports[i][0], layers[i]
+            host.path = path
+            sub = Target(layer, f"{tgt.text} {path}", "instance")
+            want = Kind.weighted_kind(causal=True, multihead=k.multihead)
+            report = ModuleProbe(sub, want, seed, timeout, None, tokens, host=host).run()
+            report.kind_reason = (
+                f"inferred: the layers of its stack are causal ({first} masks the future; "
+                "this one, of the same class and shapes at the same place in its block, "
+                "does not)"
+            )
+            out[i] = (path, report)
+    return out
+
+
 def _model_width(model: nn.Module) -> int | None:
     for p in model.parameters():
         if p.dim() == 2:
@@ -207,6 +249,8 @@ def check_model(
         sub = Target(layer, f"{tgt.text} {path}", "instance")
         report = ModuleProbe(sub, kind, seed, timeout, None, tokens, host=host).run()
         reports.append((path, report))
+    if kind is None:
+        reports = _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens)
     decoded = None
     causal = all(Kind.of(r.kind).causal for _, r in reports)
     if decode not in (None, "none"):
