@@ -580,6 +580,7 @@ class ModuleProbe:
                         other = torch.randn(*batch.shape[:-1], d2, generator=self.discovery_gen)
                     self.entry = self._entry(st, rec, batch, other)
                     self.notes.append(f"the attention layer checked is {st.layer!r}")
+                    self.exit = self._block_exit(batch, other)
                     self._inherit_tokens_first()
                 else:
                     self.exit = self._exit(st, rec, out)
@@ -686,30 +687,62 @@ class ModuleProbe:
                 "input as it comes: both are called tokens first"
             )
 
-    def _exit(self, st: Structure, rec: Recorder, out) -> nn.Module | None:
+    def _block_exit(self, x: torch.Tensor, other: torch.Tensor | None):
+        """:meth:`_exit` for the layer found inside a wrapper (its module's own forward holds
+        the attention and goes on past it: Molmo's blocks), read on one more recorded run
+        of the wrapper, the layer's output taken from its module's call."""
+        e, got = self.entry, {}
+
+        def keep(mod, args, out):
+            got.setdefault("out", first_tensor(out))
+
+        handle = e.module.register_forward_hook(keep)
+        rec = self._recorder(x)
+        try:
+            with rec:
+                _, err = self._invoke_root(x, other=other)
+        finally:
+            handle.remove()
+        if err is not None or "out" not in got:
+            return None
+        try:
+            st = read_structure(rec, self.module)
+        except AttnScopeError:
+            return None
+        if st.call is None or st.call.module is not e.module:
+            return None
+        return self._exit(st, rec, got["out"], within=st.call)
+
+    def _exit(self, st: Structure, rec: Recorder, out, within=None) -> nn.Module | None:
         """Attention computed in the target's own forward (a method of a block, no module of
         its own) whose output then goes on (a residual, an MLP): the submodule that makes
         the attention's output, its output projection, or None where the target returns it.
 
         Only where what follows reads the target's input again past the output projection
         (a residual: the target is a block); a layer that only drops out or scales its
-        projected output keeps that as its own."""
+        projected output keeps that as its own. ``within``: the call of the layer's module
+        inside a wrapper, whose input is whatever the wrapper made before it."""
         if st.out is None or not isinstance(out, torch.Tensor):
             return None
         end = st.out.op.index
         node = rec.node_of(out)
         if node is None or node == end or rec.ops[end].output.shape != out.shape:
             return None
+        start, stop = (within.start, within.end) if within is not None else (0, len(rec.ops))
         # the input reached around the attention: not through the output projection, nor
         # through any core (heads computed apart, their projected outputs summed, are not)
         cores = {op.index for c in st.cores for op in (c.score, c.context, c.fused) if op}
         past = Graph(rec).ancestors(node, stop={end} | cores)
-        residual = any(rec.ops[i].leaf == "input:0" for i in past if i != end)
+        residual = any(
+            rec.ops[i].leaf == "input:0" or (within is not None and i < start)
+            for i in past
+            if i != end
+        )
         # a block: its input normed before the projections (pre-norm), or weights of its own
         # after the attention (an MLP, a norm); a layer that adds its input to its own
         # output and stops there is a layer with a residual inside (a mistake)
-        more = any(c.path and c.start > end for c in rec.modules) or any(
-            (op.leaf or "").startswith("param:") for op in rec.ops[end + 1 :]
+        more = any(c.path and end < c.start < stop for c in rec.modules) or any(
+            (op.leaf or "").startswith("param:") for op in rec.ops[end + 1 : stop]
         )
         if end not in past or not residual or not (st.pre or more):
             return None
@@ -1019,24 +1052,15 @@ class ModuleProbe:
             args = (inp, inp if other is None else other)
         else:
             args = (inp,)
-        handle = None
-        taking = contextlib.nullcontext()
-        if isinstance(self.exit, nn.Module):  # attention inline in a block: output taken here
-
-            def leave(mod, args, out):
-                raise _Exited(out)
-
-            handle = self.exit.register_forward_hook(leave)
-        elif self.exit is not None:
-            taking = self.exit.fresh()
+        # the exit of a layer inside a wrapper is taken by the caller (:meth:`_invoke_layer`)
+        exiting = self._taking_exit() if self.entry is None else contextlib.nullcontext()
         try:
-            with taking:
+            with exiting:
                 result, err = call_safely(self.module, *args, timeout=self.timeout, **kwargs)
         except _Exited as got:
+            if self.entry is not None:
+                raise
             result, err = got.output, None
-        finally:
-            if handle is not None:
-                handle.remove()
         if err is not None:
             return None, err
         out = first_tensor(result)
@@ -1048,6 +1072,26 @@ class ModuleProbe:
         if a["seq_first"] and batched and out.dim() == 3:
             out = out.transpose(0, 1)
         return out, None
+
+    @contextlib.contextmanager
+    def _taking_exit(self):
+        """Where the attention is inline in a block (:meth:`_exit`), its output is taken at
+        the exit: :class:`_Exited` is raised with it, and the block stops there."""
+        if isinstance(self.exit, nn.Module):
+
+            def leave(mod, args, out):
+                raise _Exited(out)
+
+            handle = self.exit.register_forward_hook(leave)
+            try:
+                yield
+            finally:
+                handle.remove()
+        elif self.exit is not None:
+            with self.exit.fresh():
+                yield
+        else:
+            yield
 
     def _root_input(self, b: int, n: int) -> torch.Tensor:
         """The wrapper's own input for a probe of this size (the same every time)."""
@@ -1081,7 +1125,8 @@ class ModuleProbe:
             e.module.register_forward_hook(take),
         ]
         try:
-            _, err = self._invoke_root(self._root_input(*x32.shape[:2]), causal_hint)
+            with self._taking_exit():
+                _, err = self._invoke_root(self._root_input(*x32.shape[:2]), causal_hint)
         except _Captured as got:
             out = first_tensor(got.output)
             if not isinstance(out, torch.Tensor):
@@ -1104,7 +1149,11 @@ class ModuleProbe:
         if isinstance(got, str):
             return None, got
         args, kwargs = e.handed(sub, *got, change)
-        result, err = call_safely(e.module, *args, timeout=self.timeout, **kwargs)
+        try:
+            with self._taking_exit():
+                result, err = call_safely(e.module, *args, timeout=self.timeout, **kwargs)
+        except _Exited as taken:
+            result, err = taken.output, None
         if err is not None:
             return None, err
         out = first_tensor(result)

@@ -28,6 +28,25 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(__file__))
 # calls that return sizes, not tensors: nothing to record, and they are frequent
 _SKIP_NAMES = {"size", "dim", "numel", "__len__", "is_floating_point", "__set__", "stride"}
+#: calls whose tensors past the first n give only a dtype, device or shape: the output is
+#: made from the first n alone (rotary tables cast ``.type_as(q)`` are not made from q)
+_VALUE_ARGS = {
+    "type_as": 1,
+    "to": 1,
+    "expand_as": 1,
+    "view_as": 1,
+    "reshape_as": 1,
+    "zeros_like": 0,
+    "ones_like": 0,
+    "empty_like": 0,
+    "full_like": 0,
+    "rand_like": 0,
+    "randn_like": 0,
+    "new_zeros": 0,
+    "new_ones": 0,
+    "new_empty": 0,
+    "new_full": 0,
+}
 
 
 @dataclass
@@ -292,10 +311,11 @@ class Recorder(TorchFunctionMode):
                 ptr = self._storage(t)
                 if ptr is not None:
                     self._writes.setdefault(ptr, []).append(node)
+        made_from = arg_nodes[: _VALUE_ARGS[name]] if name in _VALUE_ARGS else arg_nodes
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for pos, t in enumerate(outs):
             if isinstance(t, torch.Tensor) and self.node_of(t) is None:
-                self._add(t, name, location, arg_nodes, call=call, position=pos)
+                self._add(t, name, location, made_from, call=call, position=pos)
         return out
 
     def _record_sdpa(self, args, kwargs, out, location):

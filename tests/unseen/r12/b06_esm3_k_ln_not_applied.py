@@ -91,7 +91,9 @@ class MultiHeadAttention(nn.Module):
         )
         query_BLD, key_BLD = self._apply_rotary(query_BLD, key_BLD)
 
-        reshaper = functools.partial(einops.rearrange, pattern="b s (h d) -> b h s d", h=self.n_heads)
+        reshaper = functools.partial(
+            einops.rearrange, pattern="b s (h d) -> b h s d", h=self.n_heads
+        )
         query_BHLD, key_BHLD, value_BHLD = map(reshaper, (query_BLD, key_BLD, value_BLD))
 
         context_BHLD = F.scaled_dot_product_attention(query_BHLD, key_BHLD, value_BHLD)
@@ -105,7 +107,9 @@ class UnifiedTransformerBlock(nn.Module):
         self.attn = MultiHeadAttention(d_model, n_heads, bias=False, qk_layernorm=True)
         self.scaling_factor = residue_scaling_factor
         self.ffn = nn.Sequential(
-            nn.LayerNorm(d_model), nn.Linear(d_model, 2 * d_model, bias=False), nn.GELU(),
+            nn.LayerNorm(d_model),
+            nn.Linear(d_model, 2 * d_model, bias=False),
+            nn.GELU(),
             nn.Linear(2 * d_model, d_model, bias=False),
         )
 

@@ -112,7 +112,8 @@ class ResidualBlock(nn.Module):
         )
         self.channel_pre_norm = RMSNorm(config.width)
         self.mlp = nn.Sequential(
-            nn.Linear(config.width, 3 * config.width), nn.GELU(approximate="tanh"),
+            nn.Linear(config.width, 3 * config.width),
+            nn.GELU(approximate="tanh"),
             nn.Linear(3 * config.width, config.width),
         )
 

@@ -52,8 +52,18 @@ class _ScaledDotProductAttention(nn.Module):
 
 
 class _MultiheadAttention(nn.Module):
-    def __init__(self, d_model, n_heads, d_k=None, d_v=None, res_attention=False, attn_dropout=0.0,
-                 proj_dropout=0.0, qkv_bias=True, lsa=False):
+    def __init__(
+        self,
+        d_model,
+        n_heads,
+        d_k=None,
+        d_v=None,
+        res_attention=False,
+        attn_dropout=0.0,
+        proj_dropout=0.0,
+        qkv_bias=True,
+        lsa=False,
+    ):
         super().__init__()
         d_k = d_model // n_heads if d_k is None else d_k
         d_v = d_model // n_heads if d_v is None else d_v
@@ -62,8 +72,9 @@ class _MultiheadAttention(nn.Module):
         self.W_K = nn.Linear(d_model, d_k * n_heads, bias=qkv_bias)
         self.W_V = nn.Linear(d_model, d_v * n_heads, bias=qkv_bias)
         self.res_attention = res_attention
-        self.sdp_attn = _ScaledDotProductAttention(d_model, n_heads, attn_dropout=attn_dropout,
-                                                   res_attention=self.res_attention, lsa=lsa)
+        self.sdp_attn = _ScaledDotProductAttention(
+            d_model, n_heads, attn_dropout=attn_dropout, res_attention=self.res_attention, lsa=lsa
+        )
         self.to_out = nn.Sequential(nn.Linear(n_heads * d_v, d_model), nn.Dropout(proj_dropout))
 
     def forward(self, Q, K=None, V=None, prev=None, key_padding_mask=None, attn_mask=None):
@@ -75,8 +86,9 @@ class _MultiheadAttention(nn.Module):
         q_s = self.W_Q(Q).view(bs, -1, self.n_heads, self.d_k).transpose(1, 2)
         k_s = self.W_K(K).view(bs, -1, self.n_heads, self.d_k).permute(0, 2, 3, 1)
         v_s = self.W_V(V).view(bs, -1, self.n_heads, self.d_v).transpose(1, 2)
-        output, attn_weights = self.sdp_attn(q_s, k_s, v_s, key_padding_mask=key_padding_mask,
-                                             attn_mask=attn_mask)
+        output, attn_weights = self.sdp_attn(
+            q_s, k_s, v_s, key_padding_mask=key_padding_mask, attn_mask=attn_mask
+        )
         output = output.transpose(1, 2).contiguous().view(bs, -1, self.n_heads * self.d_v)
         output = self.to_out(output)
         return output, attn_weights
@@ -85,17 +97,21 @@ class _MultiheadAttention(nn.Module):
 class TSTEncoderLayer(nn.Module):
     def __init__(self, q_len, d_model, n_heads, d_ff=128, dropout=0.0):
         super().__init__()
-        self.self_attn = _MultiheadAttention(d_model, n_heads, attn_dropout=0.0, proj_dropout=dropout)
+        self.self_attn = _MultiheadAttention(
+            d_model, n_heads, attn_dropout=0.0, proj_dropout=dropout
+        )
         self.dropout_attn = nn.Dropout(dropout)
         self.norm_attn = nn.Sequential(Transpose(1, 2), nn.BatchNorm1d(d_model), Transpose(1, 2))
-        self.ff = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout),
-                                nn.Linear(d_ff, d_model))
+        self.ff = nn.Sequential(
+            nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
+        )
         self.dropout_ffn = nn.Dropout(dropout)
         self.norm_ffn = nn.Sequential(Transpose(1, 2), nn.BatchNorm1d(d_model), Transpose(1, 2))
 
     def forward(self, src, key_padding_mask=None, attn_mask=None):
-        src2, attn = self.self_attn(src, src, src, key_padding_mask=key_padding_mask,
-                                    attn_mask=attn_mask)
+        src2, attn = self.self_attn(
+            src, src, src, key_padding_mask=key_padding_mask, attn_mask=attn_mask
+        )
         src = src + self.dropout_attn(src2)
         src = self.norm_attn(src)
         src2 = self.ff(src)
@@ -106,7 +122,9 @@ class TSTEncoderLayer(nn.Module):
 class TSTEncoder(nn.Module):
     def __init__(self, q_len=64, d_model=64, n_heads=4, n_layers=1):
         super().__init__()
-        self.layers = nn.ModuleList([TSTEncoderLayer(q_len, d_model, n_heads) for _ in range(n_layers)])
+        self.layers = nn.ModuleList(
+            [TSTEncoderLayer(q_len, d_model, n_heads) for _ in range(n_layers)]
+        )
 
     def forward(self, src):
         output = src

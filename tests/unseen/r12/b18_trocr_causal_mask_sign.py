@@ -6,6 +6,7 @@ softmax, bmm, out_proj) and a post-norm self_attn_layer_norm.
 
 This file's one bug: TrOCR _make_causal_mask: filled with -finfo(dtype).min (the largest positive
 number), so future positions get +max instead of a large negative value."""
+
 import math
 
 import torch
@@ -13,8 +14,17 @@ from torch import nn
 
 
 class TrOCRAttention(nn.Module):
-    def __init__(self, embed_dim, num_heads, kdim=None, vdim=None, dropout=0.0, is_decoder=False,
-                 bias=True, is_cross_attention=False):
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        kdim=None,
+        vdim=None,
+        dropout=0.0,
+        is_decoder=False,
+        bias=True,
+        is_cross_attention=False,
+    ):
         super().__init__()
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
@@ -76,7 +86,9 @@ class TrOCRLearnedPositionalEmbedding(nn.Embedding):
     def forward(self, input_shape, past_key_values_length=0):
         bsz, seq_len = input_shape[:2]
         positions = torch.arange(
-            past_key_values_length, past_key_values_length + seq_len, dtype=torch.long,
+            past_key_values_length,
+            past_key_values_length + seq_len,
+            dtype=torch.long,
             device=self.weight.device,
         ).expand(bsz, -1)
         return super().forward(positions + self.offset)
@@ -102,7 +114,9 @@ class TrOCRDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask):
         residual = hidden_states
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask
+        )
         hidden_states = self.self_attn_layer_norm(residual + hidden_states)
         residual = hidden_states
         hidden_states = self.fc2(torch.relu(self.fc1(hidden_states)))

@@ -31,9 +31,9 @@ def get_slopes(n):
 
 def build_alibi_tensor(max_seq_len, num_attention_heads, batch_size):
     slopes = torch.tensor(get_slopes(num_attention_heads), dtype=torch.float64)
-    alibi = slopes.unsqueeze(1).unsqueeze(1) * torch.arange(max_seq_len, dtype=torch.float64).unsqueeze(
-        0
-    ).unsqueeze(0).expand(num_attention_heads, -1, -1)
+    alibi = slopes.unsqueeze(1).unsqueeze(1) * torch.arange(
+        max_seq_len, dtype=torch.float64
+    ).unsqueeze(0).unsqueeze(0).expand(num_attention_heads, -1, -1)
     alibi = alibi.repeat(batch_size, 1, 1)
     return alibi
 
@@ -58,8 +58,9 @@ class FusedScaleMaskSoftmax(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, hidden_size, num_attention_heads, layer_number,
-                 apply_query_key_layer_scaling=True):
+    def __init__(
+        self, hidden_size, num_attention_heads, layer_number, apply_query_key_layer_scaling=True
+    ):
         super().__init__()
         self.layer_number = max(1, layer_number)
         self.hidden_size_per_partition = hidden_size
@@ -77,21 +78,30 @@ class ParallelAttention(nn.Module):
     def forward(self, hidden_states, attention_mask, alibi=None):
         mixed_x_layer = self.query_key_value(hidden_states)
         new_tensor_shape = mixed_x_layer.size()[:-1] + (
-            self.num_attention_heads_per_partition, 3 * self.hidden_size_per_attention_head,
+            self.num_attention_heads_per_partition,
+            3 * self.hidden_size_per_attention_head,
         )
         mixed_x_layer = mixed_x_layer.view(*new_tensor_shape)
         query_layer, key_layer, value_layer = torch.split(
             mixed_x_layer, self.hidden_size_per_attention_head, dim=-1
         )
 
-        output_size = (query_layer.size(1), query_layer.size(2), query_layer.size(0), key_layer.size(0))
+        output_size = (
+            query_layer.size(1),
+            query_layer.size(2),
+            query_layer.size(0),
+            key_layer.size(0),
+        )
         query_layer = query_layer.reshape(output_size[2], output_size[0] * output_size[1], -1)
         key_layer = key_layer.reshape(output_size[3], output_size[0] * output_size[1], -1)
 
         if alibi is None:
             matmul_result = torch.empty(
-                output_size[0] * output_size[1], output_size[2], output_size[3],
-                dtype=query_layer.dtype, device=query_layer.device,
+                output_size[0] * output_size[1],
+                output_size[2],
+                output_size[3],
+                dtype=query_layer.dtype,
+                device=query_layer.device,
             )
             beta = 0.0
         else:
@@ -109,7 +119,12 @@ class ParallelAttention(nn.Module):
         attention_scores = matmul_result.view(*output_size)
         attention_probs = self.scale_mask_softmax(attention_scores, attention_mask)
 
-        output_size = (value_layer.size(1), value_layer.size(2), query_layer.size(0), value_layer.size(3))
+        output_size = (
+            value_layer.size(1),
+            value_layer.size(2),
+            query_layer.size(0),
+            value_layer.size(3),
+        )
         value_layer = value_layer.reshape(value_layer.size(0), output_size[0] * output_size[1], -1)
         attention_probs = attention_probs.view(output_size[0] * output_size[1], output_size[2], -1)
         context_layer = torch.bmm(attention_probs, value_layer.transpose(0, 1))
@@ -126,8 +141,11 @@ class ParallelTransformerLayer(nn.Module):
         self.input_layernorm = nn.LayerNorm(hidden_size)
         self.self_attention = ParallelAttention(hidden_size, num_attention_heads, layer_number)
         self.post_attention_layernorm = nn.LayerNorm(hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(hidden_size, 4 * hidden_size), nn.GELU(),
-                                 nn.Linear(4 * hidden_size, hidden_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden_size, 4 * hidden_size),
+            nn.GELU(),
+            nn.Linear(4 * hidden_size, hidden_size),
+        )
 
     def forward(self, hidden_states, attention_mask, alibi):
         layernorm_output = self.input_layernorm(hidden_states)
@@ -141,7 +159,10 @@ class ParallelTransformer(nn.Module):
     def __init__(self, hidden_size, num_attention_heads, num_layers):
         super().__init__()
         self.layers = nn.ModuleList(
-            [ParallelTransformerLayer(hidden_size, num_attention_heads, i + 1) for i in range(num_layers)]
+            [
+                ParallelTransformerLayer(hidden_size, num_attention_heads, i + 1)
+                for i in range(num_layers)
+            ]
         )
         self.final_layernorm = nn.LayerNorm(hidden_size)
 
@@ -167,8 +188,12 @@ class GPTModel(nn.Module):
     def forward(self, embeddings):
         b, s, _ = embeddings.shape
         hidden_states = embeddings.transpose(0, 1).contiguous()
-        attention_mask = torch.triu(torch.ones((1, 1, s, s), device=embeddings.device), diagonal=1) > 0.5
-        alibi = build_alibi_tensor(self.seq_length, self.num_attention_heads, b).to(embeddings.device)
+        attention_mask = (
+            torch.triu(torch.ones((1, 1, s, s), device=embeddings.device), diagonal=1) > 0.5
+        )
+        alibi = build_alibi_tensor(self.seq_length, self.num_attention_heads, b).to(
+            embeddings.device
+        )
         hidden_states = self.language_model.encoder(hidden_states, attention_mask, alibi)
         return hidden_states.transpose(0, 1).contiguous()
 

@@ -76,11 +76,17 @@ class FTTransformer(nn.Module):
             layer = nn.ModuleDict(
                 {
                     "attention": MultiheadAttention(
-                        d_token=d_token, n_heads=n_heads, dropout=0.0, bias=True,
+                        d_token=d_token,
+                        n_heads=n_heads,
+                        dropout=0.0,
+                        bias=True,
                         initialization="kaiming",
                     ),
-                    "ffn": nn.Sequential(nn.Linear(d_token, ffn_d_hidden), nn.ReLU(),
-                                         nn.Linear(ffn_d_hidden, d_token)),
+                    "ffn": nn.Sequential(
+                        nn.Linear(d_token, ffn_d_hidden),
+                        nn.ReLU(),
+                        nn.Linear(ffn_d_hidden, d_token),
+                    ),
                     "attention_residual_dropout": nn.Identity(),
                     "ffn_residual_dropout": nn.Identity(),
                     "output": nn.Identity(),

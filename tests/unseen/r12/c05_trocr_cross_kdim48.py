@@ -5,6 +5,7 @@ out_proj. Post-norm: residual + encoder_attn, then encoder_attn_layer_norm. Targ
 (hidden_states, encoder_hidden_states).
 
 This file: correct."""
+
 import math
 
 import torch
@@ -12,8 +13,17 @@ from torch import nn
 
 
 class TrOCRAttention(nn.Module):
-    def __init__(self, embed_dim, num_heads, kdim=None, vdim=None, dropout=0.0, is_decoder=False,
-                 bias=True, is_cross_attention=False):
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        kdim=None,
+        vdim=None,
+        dropout=0.0,
+        is_decoder=False,
+        bias=True,
+        is_cross_attention=False,
+    ):
         super().__init__()
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
@@ -71,8 +81,12 @@ class TrOCRCrossBlock(nn.Module):
     def __init__(self, d_model=64, heads=4, cross_attention_hidden_size=48):
         super().__init__()
         self.encoder_attn = TrOCRAttention(
-            d_model, heads, kdim=cross_attention_hidden_size, vdim=cross_attention_hidden_size,
-            is_decoder=True, is_cross_attention=True,
+            d_model,
+            heads,
+            kdim=cross_attention_hidden_size,
+            vdim=cross_attention_hidden_size,
+            is_decoder=True,
+            is_cross_attention=True,
         )
         self.encoder_attn_layer_norm = nn.LayerNorm(d_model)
 

@@ -5,6 +5,7 @@ TrOCRAttention (q_proj * scaling, (bsz * heads) fold, bmm, mask added on the (bs
 softmax, bmm, out_proj) and a post-norm self_attn_layer_norm.
 
 This file: correct."""
+
 import math
 
 import torch
@@ -12,8 +13,17 @@ from torch import nn
 
 
 class TrOCRAttention(nn.Module):
-    def __init__(self, embed_dim, num_heads, kdim=None, vdim=None, dropout=0.0, is_decoder=False,
-                 bias=True, is_cross_attention=False):
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        kdim=None,
+        vdim=None,
+        dropout=0.0,
+        is_decoder=False,
+        bias=True,
+        is_cross_attention=False,
+    ):
         super().__init__()
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
@@ -75,7 +85,9 @@ class TrOCRLearnedPositionalEmbedding(nn.Embedding):
     def forward(self, input_shape, past_key_values_length=0):
         bsz, seq_len = input_shape[:2]
         positions = torch.arange(
-            past_key_values_length, past_key_values_length + seq_len, dtype=torch.long,
+            past_key_values_length,
+            past_key_values_length + seq_len,
+            dtype=torch.long,
             device=self.weight.device,
         ).expand(bsz, -1)
         return super().forward(positions + self.offset)
@@ -101,7 +113,9 @@ class TrOCRDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask):
         residual = hidden_states
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask
+        )
         hidden_states = self.self_attn_layer_norm(residual + hidden_states)
         residual = hidden_states
         hidden_states = self.fc2(torch.relu(self.fc1(hidden_states)))

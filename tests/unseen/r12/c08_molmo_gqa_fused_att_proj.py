@@ -46,7 +46,8 @@ class RotaryEmbedding(nn.Module):
 
     def get_rotary_embedding(self, seq_len, device):
         inv_freq = 1.0 / (
-            self.config.rope_theta ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float64) / self.dim)
+            self.config.rope_theta
+            ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float64) / self.dim)
         )
         seq = torch.arange(seq_len, device=device, dtype=torch.float64)
         freqs = torch.einsum("i , j -> i j", seq, inv_freq)
@@ -77,7 +78,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def causal_attention_bias(seq_len, device):
-    att_bias = torch.triu(torch.ones(seq_len, seq_len, device=device, dtype=torch.float), diagonal=1)
+    att_bias = torch.triu(
+        torch.ones(seq_len, seq_len, device=device, dtype=torch.float), diagonal=1
+    )
     att_bias.masked_fill_(att_bias == 1, torch.finfo(att_bias.dtype).min)
     return att_bias.view(1, 1, seq_len, seq_len)
 
@@ -88,7 +91,11 @@ class MolmoSequentialBlock(nn.Module):
         self.layer_id = layer_id
         self.config = config
         head_dim = config.d_model // config.n_heads
-        self.fused_dims = (config.d_model, config.n_kv_heads * head_dim, config.n_kv_heads * head_dim)
+        self.fused_dims = (
+            config.d_model,
+            config.n_kv_heads * head_dim,
+            config.n_kv_heads * head_dim,
+        )
         self.att_proj = nn.Linear(config.d_model, sum(self.fused_dims), bias=config.qkv_bias)
         self.attn_out = nn.Linear(config.d_model, config.d_model, bias=False)
         self.attn_norm = RMSLayerNorm(config.d_model)
@@ -102,8 +109,9 @@ class MolmoSequentialBlock(nn.Module):
             n_rep = q.size(1) // k.size(1)
             k = k.repeat_interleave(n_rep, dim=1, output_size=q.size(1))
             v = v.repeat_interleave(n_rep, dim=1, output_size=q.size(1))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0,
-                                              is_causal=is_causal)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal
+        )
 
     def attention(self, q, k, v, attention_bias=None):
         B, T, C = q.size()
@@ -115,8 +123,9 @@ class MolmoSequentialBlock(nn.Module):
         if attention_bias is not None:
             query_len, key_len = q.shape[-2], k.shape[-2]
             attention_bias = attention_bias[:, :, key_len - query_len : key_len, :key_len].to(dtype)
-        att = self._scaled_dot_product_attention(q, k, v, attn_mask=attention_bias,
-                                                 is_causal=attention_bias is None)
+        att = self._scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_bias, is_causal=attention_bias is None
+        )
         att = att.transpose(1, 2).contiguous().view(B, T, C)
         return self.attn_out(att)
 
@@ -135,7 +144,9 @@ class MolmoTransformer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.blocks = nn.ModuleList([MolmoSequentialBlock(i, config) for i in range(config.n_layers)])
+        self.blocks = nn.ModuleList(
+            [MolmoSequentialBlock(i, config) for i in range(config.n_layers)]
+        )
         self.ln_f = RMSLayerNorm(config.d_model)
 
     def forward(self, x):

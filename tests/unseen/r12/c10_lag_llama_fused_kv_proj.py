@@ -30,7 +30,9 @@ class LlamaRotaryEmbedding(nn.Module):
         super().__init__()
         self.dim = dim
         self.base = base
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim))
+        inv_freq = 1.0 / (
+            self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim)
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._set_cos_sin_cache(max_position_embeddings)
 
@@ -94,9 +96,13 @@ class CausalSelfAttention(nn.Module):
         cos, sin = self.rotary_emb(v, seq_len=true_seq_len)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, position_ids=None)
         if use_kv_cache and cache_initialized:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False
+            )
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True
+            )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 

@@ -52,7 +52,9 @@ class Kosmos2TextBlock(nn.Module):
         mask = torch.full((t, t), torch.finfo(hidden_states.dtype).min, dtype=hidden_states.dtype)
         mask = torch.triu(mask, diagonal=1)[None, None]
         residual = hidden_states
-        hidden_states = self.self_attn(self.self_attn_layer_norm(hidden_states), attention_mask=mask)
+        hidden_states = self.self_attn(
+            self.self_attn_layer_norm(hidden_states), attention_mask=mask
+        )
         return residual + hidden_states
 
 

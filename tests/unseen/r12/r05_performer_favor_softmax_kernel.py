@@ -23,7 +23,9 @@ def gaussian_orthogonal_random_matrix(nb_rows, nb_columns, generator):
     if remaining_rows > 0:
         block_list.append(orthogonal_matrix_chunk(nb_columns, generator)[:remaining_rows])
     final_matrix = torch.cat(block_list)
-    multiplier = torch.randn((nb_rows, nb_columns), generator=generator, dtype=torch.float64).norm(dim=1)
+    multiplier = torch.randn((nb_rows, nb_columns), generator=generator, dtype=torch.float64).norm(
+        dim=1
+    )
     return torch.diag(multiplier) @ final_matrix
 
 
@@ -31,13 +33,19 @@ def softmax_kernel(data, projection_matrix, is_query, eps=1e-4):
     d = data.shape[-1]
     data_normalizer = d**-0.25
     ratio = projection_matrix.shape[0] ** -0.5
-    data_dash = torch.einsum("...id,jd->...ij", data_normalizer * data, projection_matrix.type_as(data))
+    data_dash = torch.einsum(
+        "...id,jd->...ij", data_normalizer * data, projection_matrix.type_as(data)
+    )
     diag_data = (data**2).sum(dim=-1) / 2.0 * (data_normalizer**2)
     diag_data = diag_data.unsqueeze(-1)
     if is_query:
-        data_dash = ratio * (torch.exp(data_dash - diag_data - data_dash.amax(dim=-1, keepdim=True)) + eps)
+        data_dash = ratio * (
+            torch.exp(data_dash - diag_data - data_dash.amax(dim=-1, keepdim=True)) + eps
+        )
     else:
-        data_dash = ratio * (torch.exp(data_dash - diag_data - data_dash.amax(dim=(-1, -2), keepdim=True)) + eps)
+        data_dash = ratio * (
+            torch.exp(data_dash - diag_data - data_dash.amax(dim=(-1, -2), keepdim=True)) + eps
+        )
     return data_dash.type_as(data)
 
 
@@ -52,7 +60,9 @@ class FastAttention(nn.Module):
     def __init__(self, dim_heads, nb_features=32, seed=1295):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.register_buffer("projection_matrix", gaussian_orthogonal_random_matrix(nb_features, dim_heads, g))
+        self.register_buffer(
+            "projection_matrix", gaussian_orthogonal_random_matrix(nb_features, dim_heads, g)
+        )
 
     def forward(self, q, k, v):
         q = softmax_kernel(q, self.projection_matrix, is_query=True)

@@ -24,7 +24,11 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": True,
-    "layers": ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn", "decoder.layers.2.self_attn"],
+    "layers": [
+        "decoder.layers.0.self_attn",
+        "decoder.layers.1.self_attn",
+        "decoder.layers.2.self_attn",
+    ],
     "kind": "causal-multihead",
     "cache": "book-cache",
     "structure": {
@@ -93,7 +97,7 @@ class MultiheadAttention(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.layer_key = layer_key
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=True)
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=True)
@@ -133,7 +137,9 @@ class TransformerDecoderLayer(nn.Module):
     def __init__(self, args, idx):
         super().__init__()
         d = args.decoder_embed_dim
-        self.self_attn = MultiheadAttention(d, args.decoder_attention_heads, "layers.%d.self_attn" % idx)
+        self.self_attn = MultiheadAttention(
+            d, args.decoder_attention_heads, "layers.%d.self_attn" % idx
+        )
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, args.decoder_ffn_embed_dim)
         self.fc2 = nn.Linear(args.decoder_ffn_embed_dim, d)
@@ -157,8 +163,12 @@ class TransformerDecoder(nn.Module):
         self.padding_idx = args.padding_idx
         self.embed_tokens = nn.Embedding(args.vocab, d, padding_idx=args.padding_idx)
         self.embed_scale = math.sqrt(d)
-        self.embed_positions = SinusoidalPositionalEmbedding(d, args.padding_idx, args.max_target_positions + 2)
-        self.layers = nn.ModuleList(TransformerDecoderLayer(args, i) for i in range(args.decoder_layers))
+        self.embed_positions = SinusoidalPositionalEmbedding(
+            d, args.padding_idx, args.max_target_positions + 2
+        )
+        self.layers = nn.ModuleList(
+            TransformerDecoderLayer(args, i) for i in range(args.decoder_layers)
+        )
         self.layer_norm = nn.LayerNorm(d)
 
     def buffered_future_mask(self, tgt_len, src_len, dtype):

@@ -104,7 +104,7 @@ class CoreAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.hidden_size_per_partition = config.kv_channels * config.num_attention_heads
-        self.norm_factor = config.kv_channels ** 0.5
+        self.norm_factor = config.kv_channels**0.5
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask):
         # [sq, b, np, hn] -> [b, np, sq, hn]
@@ -126,8 +126,12 @@ class SelfAttention(nn.Module):
         self.hidden_size_per_attention_head = config.kv_channels
         self.num_attention_heads_per_partition = config.num_attention_heads
         self.num_multi_query_groups_per_partition = config.multi_query_group_num
-        self.qkv_hidden_size = self.projection_size + 2 * config.kv_channels * config.multi_query_group_num
-        self.query_key_value = nn.Linear(config.hidden_size, self.qkv_hidden_size, bias=config.add_qkv_bias)
+        self.qkv_hidden_size = (
+            self.projection_size + 2 * config.kv_channels * config.multi_query_group_num
+        )
+        self.query_key_value = nn.Linear(
+            config.hidden_size, self.qkv_hidden_size, bias=config.add_qkv_bias
+        )
         self.core_attention = CoreAttention(config)
         self.dense = nn.Linear(self.projection_size, config.hidden_size, bias=False)
 
@@ -138,7 +142,9 @@ class SelfAttention(nn.Module):
         (query_layer, key_layer, value_layer) = mixed_x_layer.split(
             [self.num_attention_heads_per_partition * hn, g * hn, g * hn], dim=-1
         )
-        query_layer = query_layer.view(query_layer.size()[:-1] + (self.num_attention_heads_per_partition, hn))
+        query_layer = query_layer.view(
+            query_layer.size()[:-1] + (self.num_attention_heads_per_partition, hn)
+        )
         key_layer = key_layer.view(key_layer.size()[:-1] + (g, hn))
         value_layer = value_layer.view(value_layer.size()[:-1] + (g, hn))
 
@@ -153,7 +159,9 @@ class SelfAttention(nn.Module):
 
         per_group = self.num_attention_heads_per_partition // g
         key_layer = key_layer.unsqueeze(-2).expand(-1, -1, -1, per_group, -1)
-        key_layer = key_layer.contiguous().view(key_layer.size()[:2] + (self.num_attention_heads_per_partition, hn))
+        key_layer = key_layer.contiguous().view(
+            key_layer.size()[:2] + (self.num_attention_heads_per_partition, hn)
+        )
         value_layer = value_layer.unsqueeze(-2).expand(-1, -1, -1, per_group, -1)
         value_layer = value_layer.contiguous().view(
             value_layer.size()[:2] + (self.num_attention_heads_per_partition, hn)
@@ -198,12 +206,16 @@ class GLMTransformer(nn.Module):
         self.layers = nn.ModuleList([GLMBlock(config, i + 1) for i in range(config.num_layers)])
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
 
-    def forward(self, hidden_states, attention_mask, rotary_pos_emb, kv_caches=None, use_cache=True):
+    def forward(
+        self, hidden_states, attention_mask, rotary_pos_emb, kv_caches=None, use_cache=True
+    ):
         if not kv_caches:
             kv_caches = [None] * len(self.layers)
         presents = ()
         for index, layer in enumerate(self.layers):
-            hidden_states, kv_cache = layer(hidden_states, attention_mask, rotary_pos_emb, kv_caches[index], use_cache)
+            hidden_states, kv_cache = layer(
+                hidden_states, attention_mask, rotary_pos_emb, kv_caches[index], use_cache
+            )
             if use_cache:
                 presents = presents + (kv_cache,)
         return self.final_layernorm(hidden_states), presents
@@ -250,9 +262,15 @@ class ChatGLMForConditionalGeneration(nn.Module):
         full_attention_mask = None
         if seq_length > 1:
             full_attention_mask = self.transformer.get_masks(seq_length, past_length)
-        rotary_pos_emb = self.transformer.rotary_pos_emb(seq_length, inputs_embeds.dtype, offset=past_length)
+        rotary_pos_emb = self.transformer.rotary_pos_emb(
+            seq_length, inputs_embeds.dtype, offset=past_length
+        )
         hidden_states, presents = self.transformer.encoder(
-            inputs_embeds, full_attention_mask, rotary_pos_emb, kv_caches=past_key_values, use_cache=use_cache
+            inputs_embeds,
+            full_attention_mask,
+            rotary_pos_emb,
+            kv_caches=past_key_values,
+            use_cache=use_cache,
         )
         lm_logits = self.transformer.output_layer(hidden_states).transpose(0, 1).contiguous()
         return ModelOutput(lm_logits, presents if use_cache else None)

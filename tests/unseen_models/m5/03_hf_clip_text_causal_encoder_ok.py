@@ -57,7 +57,9 @@ class CLIPTextEmbeddings(nn.Module):
         self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.register_buffer(
-            "position_ids", torch.arange(config.max_position_embeddings).expand((1, -1)), persistent=False
+            "position_ids",
+            torch.arange(config.max_position_embeddings).expand((1, -1)),
+            persistent=False,
         )
 
     def forward(self, input_ids):
@@ -72,7 +74,7 @@ class CLIPAttention(nn.Module):
         self.embed_dim = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.head_dim = self.embed_dim // self.num_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.k_proj = nn.Linear(self.embed_dim, self.embed_dim)
         self.v_proj = nn.Linear(self.embed_dim, self.embed_dim)
         self.q_proj = nn.Linear(self.embed_dim, self.embed_dim)
@@ -93,7 +95,9 @@ class CLIPAttention(nn.Module):
         src_len = key_states.size(1)
         attn_weights = torch.bmm(query_states, key_states.transpose(1, 2))
         if causal_attention_mask is not None:
-            attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) + causal_attention_mask
+            attn_weights = (
+                attn_weights.view(bsz, self.num_heads, tgt_len, src_len) + causal_attention_mask
+            )
             attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, src_len)
         if attention_mask is not None:
             attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) + attention_mask
@@ -136,7 +140,9 @@ class CLIPEncoderLayer(nn.Module):
 class CLIPEncoder(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.layers = nn.ModuleList([CLIPEncoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [CLIPEncoderLayer(config) for _ in range(config.num_hidden_layers)]
+        )
 
     def forward(self, inputs_embeds, attention_mask=None, causal_attention_mask=None):
         hidden_states = inputs_embeds
@@ -164,7 +170,9 @@ class CLIPTextTransformer(nn.Module):
         causal_attention_mask = _create_4d_causal_attention_mask(bsz, seq_len, hidden_states.dtype)
         if attention_mask is not None:
             inverted = 1.0 - attention_mask[:, None, None, :].to(hidden_states.dtype)
-            attention_mask = inverted.masked_fill(inverted.bool(), torch.finfo(hidden_states.dtype).min)
+            attention_mask = inverted.masked_fill(
+                inverted.bool(), torch.finfo(hidden_states.dtype).min
+            )
         hidden_states = self.encoder(hidden_states, attention_mask, causal_attention_mask)
         return self.final_layer_norm(hidden_states)
 

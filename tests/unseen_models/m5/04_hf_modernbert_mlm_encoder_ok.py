@@ -131,7 +131,9 @@ class ModernBertEncoderLayer(nn.Module):
         if layer_id == 0:
             self.attn_norm = nn.Identity()
         else:
-            self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+            self.attn_norm = nn.LayerNorm(
+                config.hidden_size, eps=config.norm_eps, bias=config.norm_bias
+            )
         self.attn = ModernBertAttention(config, layer_id)
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
         self.mlp = ModernBertMLP(config)
@@ -146,8 +148,12 @@ class ModernBertModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embeddings = ModernBertEmbeddings(config)
-        self.layers = nn.ModuleList([ModernBertEncoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+        self.layers = nn.ModuleList(
+            [ModernBertEncoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.final_norm = nn.LayerNorm(
+            config.hidden_size, eps=config.norm_eps, bias=config.norm_bias
+        )
 
     def forward(self, input_ids, attention_mask=None):
         bs, seqlen = input_ids.shape
@@ -156,7 +162,9 @@ class ModernBertModel(nn.Module):
         additive = None
         if attention_mask is not None:
             additive = torch.zeros(bs, 1, 1, seqlen, dtype=hidden_states.dtype)
-            additive = additive.masked_fill(attention_mask[:, None, None, :] == 0, torch.finfo(hidden_states.dtype).min)
+            additive = additive.masked_fill(
+                attention_mask[:, None, None, :] == 0, torch.finfo(hidden_states.dtype).min
+            )
         for layer in self.layers:
             hidden_states = layer(hidden_states, additive, position_ids)
         return self.final_norm(hidden_states)

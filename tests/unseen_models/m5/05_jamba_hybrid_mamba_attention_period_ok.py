@@ -75,13 +75,19 @@ class HybridMambaAttentionDynamicCache:
         self.has_previous_state = False
         for i, kind in enumerate(self.layers_block_type):
             if kind == "mamba":
-                self.conv_states[i] = torch.zeros(batch_size, inner, config.mamba_d_conv, dtype=dtype)
-                self.ssm_states[i] = torch.zeros(batch_size, inner, config.mamba_d_state, dtype=dtype)
+                self.conv_states[i] = torch.zeros(
+                    batch_size, inner, config.mamba_d_conv, dtype=dtype
+                )
+                self.ssm_states[i] = torch.zeros(
+                    batch_size, inner, config.mamba_d_state, dtype=dtype
+                )
 
     def update(self, key_states, value_states, layer_idx):
         if layer_idx in self.key_cache:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         else:
             self.key_cache[layer_idx] = key_states
             self.value_cache[layer_idx] = value_states
@@ -109,7 +115,9 @@ def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
     if n_rep == 1:
         return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -123,20 +131,40 @@ class JambaAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=False)
 
     def forward(self, hidden_states, past_key_value=None):
         bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        query_states = (
+            self.q_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        key_states = (
+            self.k_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        value_states = (
+            self.v_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
         if past_key_value is not None:
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_value.update(
+                key_states, value_states, self.layer_idx
+            )
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
-        attn_output = F.scaled_dot_product_attention(query_states, key_states, value_states, is_causal=q_len > 1)
+        attn_output = F.scaled_dot_product_attention(
+            query_states, key_states, value_states, is_causal=q_len > 1
+        )
         attn_output = attn_output.transpose(1, 2).contiguous().view(bsz, q_len, self.hidden_size)
         return self.o_proj(attn_output), None, past_key_value
 
@@ -150,11 +178,20 @@ class JambaMambaMixer(nn.Module):
         self.conv_kernel_size = config.mamba_d_conv
         self.time_step_rank = config.mamba_dt_rank
         self.in_proj = nn.Linear(config.hidden_size, self.intermediate_size * 2, bias=False)
-        self.conv1d = nn.Conv1d(self.intermediate_size, self.intermediate_size, self.conv_kernel_size,
-                                groups=self.intermediate_size, padding=self.conv_kernel_size - 1)
-        self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + self.ssm_state_size * 2, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.intermediate_size,
+            self.intermediate_size,
+            self.conv_kernel_size,
+            groups=self.intermediate_size,
+            padding=self.conv_kernel_size - 1,
+        )
+        self.x_proj = nn.Linear(
+            self.intermediate_size, self.time_step_rank + self.ssm_state_size * 2, bias=False
+        )
         self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
-        A = torch.arange(1, self.ssm_state_size + 1, dtype=torch.float32)[None, :].expand(self.intermediate_size, -1)
+        A = torch.arange(1, self.ssm_state_size + 1, dtype=torch.float32)[None, :].expand(
+            self.intermediate_size, -1
+        )
         self.A_log = nn.Parameter(torch.log(A).contiguous())
         self.D = nn.Parameter(torch.ones(self.intermediate_size))
         self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
@@ -166,14 +203,20 @@ class JambaMambaMixer(nn.Module):
         use_state = cache_params is not None and cache_params.has_previous_state
         if use_state:
             conv_state = torch.cat([cache_params.conv_states[self.layer_idx], x], dim=-1)
-            full = F.conv1d(conv_state, self.conv1d.weight, self.conv1d.bias, groups=self.intermediate_size)
+            full = F.conv1d(
+                conv_state, self.conv1d.weight, self.conv1d.bias, groups=self.intermediate_size
+            )
             x_conv = full[..., -seq_len:]
-            cache_params.conv_states[self.layer_idx] = conv_state[..., -self.conv_kernel_size:]
+            cache_params.conv_states[self.layer_idx] = conv_state[..., -self.conv_kernel_size :]
         else:
             x_conv = self.conv1d(x)[..., :seq_len]
             if cache_params is not None:
-                padded = F.pad(x, (self.conv_kernel_size - x.shape[-1], 0)) if x.shape[-1] < self.conv_kernel_size else x
-                cache_params.conv_states[self.layer_idx] = padded[..., -self.conv_kernel_size:]
+                padded = (
+                    F.pad(x, (self.conv_kernel_size - x.shape[-1], 0))
+                    if x.shape[-1] < self.conv_kernel_size
+                    else x
+                )
+                cache_params.conv_states[self.layer_idx] = padded[..., -self.conv_kernel_size :]
         x_conv = F.silu(x_conv)
         ssm_parameters = self.x_proj(x_conv.transpose(1, 2))
         time_step, B, C = torch.split(
@@ -184,7 +227,9 @@ class JambaMambaMixer(nn.Module):
         if use_state:
             ssm_state = cache_params.ssm_states[self.layer_idx]
         else:
-            ssm_state = torch.zeros(batch_size, self.intermediate_size, self.ssm_state_size, dtype=hidden_states.dtype)
+            ssm_state = torch.zeros(
+                batch_size, self.intermediate_size, self.ssm_state_size, dtype=hidden_states.dtype
+            )
         ys = []
         for t in range(seq_len):
             dA = torch.exp(A[None] * dt[:, :, t, None])
@@ -247,7 +292,8 @@ class JambaModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            ALL_DECODER_LAYER_TYPES[kind](config, i) for i, kind in enumerate(config.layers_block_type)
+            ALL_DECODER_LAYER_TYPES[kind](config, i)
+            for i, kind in enumerate(config.layers_block_type)
         )
         self.final_layernorm = JambaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -61,7 +61,9 @@ class GemmaRotaryEmbedding(nn.Module):
     def __init__(self, dim, base):
         super().__init__()
         self.register_buffer(
-            "inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), persistent=False
+            "inv_freq",
+            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+            persistent=False,
         )
 
     def forward(self, x, position_ids):
@@ -88,7 +90,7 @@ class GemmaAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h, self.num_key_value_heads * self.head_dim, bias=False)
@@ -97,9 +99,21 @@ class GemmaAttention(nn.Module):
 
     def project(self, hidden_states):
         bsz, q_len, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        q = (
+            self.q_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        k = (
+            self.k_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        v = (
+            self.v_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
         return q, k, v
 
     def rope(self, q, k, v, cos, sin):
@@ -117,8 +131,11 @@ class GemmaAttention(nn.Module):
         v_rep = v.repeat_interleave(self.num_key_value_groups, dim=1)
         attn_weights = torch.matmul(q, k_rep.transpose(2, 3)) * self.scaling
         attn_weights = attn_weights + attention_mask
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype) if q.dtype != torch.float64 \
+        attn_weights = (
+            F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+            if q.dtype != torch.float64
             else F.softmax(attn_weights, dim=-1)
+        )
         attn_output = torch.matmul(attn_weights, v_rep)
         attn_output = attn_output.transpose(1, 2).contiguous().view(bsz, q_len, -1)
         return self.o_proj(attn_output), present
@@ -157,8 +174,9 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_value):
         residual = hidden_states
-        h, present = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
-                                    past_key_value)
+        h, present = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_value
+        )
         hidden_states = residual + h
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, present
@@ -169,7 +187,9 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = GemmaRotaryEmbedding(config.head_dim, config.rope_theta)
 
@@ -184,7 +204,7 @@ class GemmaModel(nn.Module):
         causal_mask = torch.full((seq_len, target), torch.finfo(dtype).min, dtype=dtype)
         causal_mask = causal_mask * (torch.arange(target)[None, :] > cache_position[:, None])
         causal_mask = causal_mask[None, None]
-        normalizer = torch.tensor(self.config.hidden_size ** 0.5, dtype=dtype)
+        normalizer = torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
         hidden_states = inputs_embeds * normalizer
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         presents = ()

@@ -62,8 +62,11 @@ def rotate_half(x):
 class DbrxRotaryEmbedding(nn.Module):
     def __init__(self, dim, base):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+            persistent=False,
+        )
 
     def forward(self, x, position_ids):
         freqs = position_ids[:, :, None].double() * self.inv_freq[None, None, :]
@@ -94,8 +97,12 @@ class DbrxAttention(nn.Module):
         self.num_key_value_heads = config.attn_config.kv_n_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.block_idx = block_idx
-        self.expand = repeat_kv if config.attn_config.kv_expand_layers[block_idx] == "repeat_kv" else tile_kv
-        self.Wqkv = nn.Linear(self.d_model, self.d_model + 2 * self.num_key_value_heads * self.head_dim, bias=False)
+        self.expand = (
+            repeat_kv if config.attn_config.kv_expand_layers[block_idx] == "repeat_kv" else tile_kv
+        )
+        self.Wqkv = nn.Linear(
+            self.d_model, self.d_model + 2 * self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.out_proj = nn.Linear(self.d_model, self.d_model, bias=False)
         self.rotary_emb = DbrxRotaryEmbedding(self.head_dim, config.attn_config.rope_theta)
 
@@ -104,18 +111,26 @@ class DbrxAttention(nn.Module):
         qkv_states = self.Wqkv(hidden_states)
         qkv_states = qkv_states.clamp(min=-self.clip_qkv, max=self.clip_qkv)
         query_states, key_states, value_states = qkv_states.split(
-            [self.d_model, self.num_key_value_heads * self.head_dim, self.num_key_value_heads * self.head_dim],
+            [
+                self.d_model,
+                self.num_key_value_heads * self.head_dim,
+                self.num_key_value_heads * self.head_dim,
+            ],
             dim=2,
         )
         query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = key_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        value_states = value_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        key_states = key_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(
+            1, 2
+        )
+        value_states = value_states.view(
+            bsz, q_len, self.num_key_value_heads, self.head_dim
+        ).transpose(1, 2)
         cos, sin = self.rotary_emb(value_states, position_ids)
         query_states = query_states * cos + rotate_half(query_states) * sin
         key_states = key_states * cos + rotate_half(key_states) * sin
         key_states = self.expand(key_states, self.num_key_value_groups)
         value_states = self.expand(value_states, self.num_key_value_groups)
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / (self.head_dim ** 0.5)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / (self.head_dim**0.5)
         attn_weights = attn_weights + attention_mask
         attn_weights = F.softmax(attn_weights, dim=-1)
         attn_output = torch.matmul(attn_weights, value_states)
@@ -156,16 +171,18 @@ class DbrxExperts(nn.Module):
     def __init__(self, config):
         super().__init__()
         e, f, d = config.moe_num_experts, config.ffn_hidden_size, config.d_model
-        self.w1 = nn.Parameter(torch.randn(e, f, d) * d ** -0.5)
-        self.v1 = nn.Parameter(torch.randn(e, f, d) * d ** -0.5)
-        self.w2 = nn.Parameter(torch.randn(e, f, d) * f ** -0.5)
+        self.w1 = nn.Parameter(torch.randn(e, f, d) * d**-0.5)
+        self.v1 = nn.Parameter(torch.randn(e, f, d) * d**-0.5)
+        self.w2 = nn.Parameter(torch.randn(e, f, d) * f**-0.5)
 
     def forward(self, x, top_weights, top_experts):
         out = torch.zeros_like(x)
         for slot in range(top_experts.shape[-1]):
             idx = top_experts[..., slot]
             w1, v1, w2 = self.w1[idx], self.v1[idx], self.w2[idx]
-            h = F.silu(torch.einsum("...d,...fd->...f", x, w1)) * torch.einsum("...d,...fd->...f", x, v1)
+            h = F.silu(torch.einsum("...d,...fd->...f", x, w1)) * torch.einsum(
+                "...d,...fd->...f", x, v1
+            )
             out = out + top_weights[..., slot, None] * torch.einsum("...f,...fd->...d", h, w2)
         return out
 
@@ -188,7 +205,9 @@ class DbrxBlock(nn.Module):
         self.ffn = DbrxFFN(config)
 
     def forward(self, hidden_states, position_ids, attention_mask):
-        resid_states, hidden_states = self.norm_attn_norm(hidden_states, position_ids, attention_mask)
+        resid_states, hidden_states = self.norm_attn_norm(
+            hidden_states, position_ids, attention_mask
+        )
         return resid_states + self.ffn(hidden_states)
 
 
@@ -204,7 +223,9 @@ class DbrxModel(nn.Module):
         hidden_states = self.wte(input_ids)
         position_ids = torch.arange(seq_len).unsqueeze(0).expand(bsz, -1)
         dtype = hidden_states.dtype
-        mask = torch.triu(torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype), diagonal=1)[None, None]
+        mask = torch.triu(
+            torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype), diagonal=1
+        )[None, None]
         for block in self.blocks:
             hidden_states = block(hidden_states, position_ids, mask)
         return self.norm_f(hidden_states)

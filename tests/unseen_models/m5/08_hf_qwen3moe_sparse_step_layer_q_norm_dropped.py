@@ -78,7 +78,8 @@ class Qwen3MoeRotaryEmbedding(nn.Module):
         super().__init__()
         dim = config.head_dim
         self.register_buffer(
-            "inv_freq", 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+            "inv_freq",
+            1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
             persistent=False,
         )
 
@@ -90,7 +91,9 @@ class Qwen3MoeRotaryEmbedding(nn.Module):
 
 def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -110,11 +113,19 @@ class Qwen3MoeAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.scaling = self.head_dim**-0.5
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=False
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
+        )
         self.q_norm = Qwen3MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -136,9 +147,15 @@ class Qwen3MoeAttention(nn.Module):
 class Qwen3MoeSdpaAttention(Qwen3MoeAttention):
     def forward(self, hidden_states, position_embeddings, attention_mask):
         bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        key_states = self.k_norm(self.k_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        query_states = (
+            self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        )
+        key_states = self.k_norm(
+            self.k_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)
+        ).transpose(1, 2)
+        value_states = (
+            self.v_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        )
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         key_states = repeat_kv(key_states, self.num_key_value_groups)
@@ -170,7 +187,10 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            [Qwen3MoeMLP(config, intermediate_size=config.moe_intermediate_size) for _ in range(self.num_experts)]
+            [
+                Qwen3MoeMLP(config, intermediate_size=config.moe_intermediate_size)
+                for _ in range(self.num_experts)
+            ]
         )
 
     def forward(self, hidden_states):
@@ -193,7 +213,9 @@ class Qwen3MoeDecoderLayer(nn.Module):
         super().__init__()
         attn_cls = Qwen3MoeSdpaAttention if layer_idx in config.sdpa_layers else Qwen3MoeAttention
         self.self_attn = attn_cls(config, layer_idx)
-        if (layer_idx not in config.mlp_only_layers) and (layer_idx + 1) % config.decoder_sparse_step == 0:
+        if (layer_idx not in config.mlp_only_layers) and (
+            layer_idx + 1
+        ) % config.decoder_sparse_step == 0:
             self.mlp = Qwen3MoeSparseMoeBlock(config)
         else:
             self.mlp = Qwen3MoeMLP(config)
@@ -202,7 +224,9 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
         residual = hidden_states
-        hidden_states, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask)
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask
+        )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -211,7 +235,9 @@ class Qwen3MoeModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3MoeRotaryEmbedding(config)
 
@@ -220,7 +246,9 @@ class Qwen3MoeModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)
         position_ids = torch.arange(seq_len).unsqueeze(0).expand(bsz, -1)
         dtype = hidden_states.dtype
-        causal_mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+        causal_mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype).triu(1)[
+            None, None
+        ]
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for decoder_layer in self.layers:
             hidden_states = decoder_layer(hidden_states, position_embeddings, causal_mask)

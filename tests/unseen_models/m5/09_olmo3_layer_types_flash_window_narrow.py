@@ -66,8 +66,11 @@ def rotate_half(x):
 class Olmo3RotaryEmbedding(nn.Module):
     def __init__(self, dim, base):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+            persistent=False,
+        )
 
     def forward(self, x, position_ids):
         freqs = position_ids[:, :, None].double() * self.inv_freq[None, None, :]
@@ -81,15 +84,21 @@ class Olmo3Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.q_norm = Olmo3RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps)
         self.k_norm = Olmo3RMSNorm(config.num_key_value_heads * self.head_dim, config.rms_norm_eps)
         self.attention_type = config.layer_types[layer_idx]
-        self.sliding_window = config.sliding_window if self.attention_type == "sliding_attention" else None
+        self.sliding_window = (
+            config.sliding_window if self.attention_type == "sliding_attention" else None
+        )
         self.backend = config.attn_backend[layer_idx]
 
     def flash_band(self, q_len, k_len, device):
@@ -118,7 +127,9 @@ class Olmo3Attention(nn.Module):
             allowed = attention_mask
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         attn_weights = F.softmax(scores, dim=-1)
-        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).reshape(*input_shape, -1)
+        attn_output = (
+            torch.matmul(attn_weights, value_states).transpose(1, 2).reshape(*input_shape, -1)
+        )
         return self.o_proj(attn_output), attn_weights
 
 
@@ -154,9 +165,13 @@ class Olmo3Model(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Olmo3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [Olmo3DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = Olmo3RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = Olmo3RotaryEmbedding(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        self.rotary_emb = Olmo3RotaryEmbedding(
+            config.hidden_size // config.num_attention_heads, config.rope_theta
+        )
 
     def forward(self, input_ids):
         bsz, seq_len = input_ids.shape

@@ -132,13 +132,21 @@ class CTRLModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.d_model_size = config.n_embd
-        self.register_buffer("pos_encoding", positional_encoding(config.n_positions, self.d_model_size),
-                             persistent=False)
+        self.register_buffer(
+            "pos_encoding",
+            positional_encoding(config.n_positions, self.d_model_size),
+            persistent=False,
+        )
         self.w = nn.Embedding(config.vocab_size, config.n_embd)
         self.h = nn.ModuleList(
             [
-                EncoderLayer(config.n_embd, config.n_head, config.dff, config.layer_norm_epsilon,
-                             use_fused_qk=i in config.fused_qk_layers)
+                EncoderLayer(
+                    config.n_embd,
+                    config.n_head,
+                    config.dff,
+                    config.layer_norm_epsilon,
+                    use_fused_qk=i in config.fused_qk_layers,
+                )
                 for i in range(config.n_layer)
             ]
         )

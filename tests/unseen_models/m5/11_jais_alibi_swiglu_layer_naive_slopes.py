@@ -63,7 +63,7 @@ class Conv1D(nn.Module):
 def get_slopes(n):
     def get_slopes_power_of_2(n):
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))
-        return [start * start ** i for i in range(n)]
+        return [start * start**i for i in range(n)]
 
     if math.log2(n).is_integer():
         return get_slopes_power_of_2(n)
@@ -82,7 +82,9 @@ def alibi_from_slopes(slopes, q_len, k_len, dtype):
 class AlibiPositionEmbeddingLayer(nn.Module):
     def __init__(self, num_heads):
         super().__init__()
-        self.register_buffer("slopes", torch.tensor(get_slopes(num_heads), dtype=torch.float64), persistent=False)
+        self.register_buffer(
+            "slopes", torch.tensor(get_slopes(num_heads), dtype=torch.float64), persistent=False
+        )
 
     def forward(self, q_len, k_len, dtype):
         return alibi_from_slopes(self.slopes, q_len, k_len, dtype)
@@ -110,12 +112,15 @@ class JaisAttention(nn.Module):
 
     def _attn(self, query, key, value, position_bias):
         attn_weights = torch.matmul(query, key.transpose(-1, -2))
-        attn_weights = attn_weights / torch.full([], value.size(-1) ** self.attn_scale_power,
-                                                 dtype=attn_weights.dtype)
+        attn_weights = attn_weights / torch.full(
+            [], value.size(-1) ** self.attn_scale_power, dtype=attn_weights.dtype
+        )
         q_len, k_len = query.size(-2), key.size(-2)
         if self.recompute_alibi:
-            slopes = torch.tensor([2 ** (-8 * (h + 1) / self.num_heads) for h in range(self.num_heads)],
-                                  dtype=torch.float64)
+            slopes = torch.tensor(
+                [2 ** (-8 * (h + 1) / self.num_heads) for h in range(self.num_heads)],
+                dtype=torch.float64,
+            )
             position_bias = alibi_from_slopes(slopes, q_len, k_len, attn_weights.dtype)
         attn_weights = attn_weights + position_bias.unsqueeze(0)
         causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)
@@ -159,7 +164,9 @@ class JaisBlock(nn.Module):
 
     def forward(self, hidden_states, layer_past, use_cache, position_bias):
         residual = hidden_states
-        attn_output, present = self.attn(self.ln_1(hidden_states), layer_past, use_cache, position_bias)
+        attn_output, present = self.attn(
+            self.ln_1(hidden_states), layer_past, use_cache, position_bias
+        )
         hidden_states = attn_output + residual
         return hidden_states + self.mlp(self.ln_2(hidden_states)), present
 

@@ -55,7 +55,9 @@ class NemotronCache:
             self.value_cache.append(value_states)
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
     def get_seq_length(self, layer_idx=0):
@@ -73,8 +75,11 @@ class NemotronRotaryEmbedding(nn.Module):
     def __init__(self, dim, base):
         super().__init__()
         self.dim = dim
-        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+            persistent=False,
+        )
 
     def forward(self, x, seq_len):
         t = torch.arange(seq_len, dtype=torch.float64)
@@ -103,7 +108,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids):
 
 def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -117,26 +124,48 @@ class NemotronAttention(nn.Module):
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.partial_rotary_factor = config.partial_rotary_factor
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.rotary_emb = NemotronRotaryEmbedding(int(self.partial_rotary_factor * self.head_dim), config.rope_theta)
+        self.rotary_emb = NemotronRotaryEmbedding(
+            int(self.partial_rotary_factor * self.head_dim), config.rope_theta
+        )
 
     def forward(self, hidden_states, attention_mask, position_ids, past_key_value=None):
         bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        query_states = (
+            self.q_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        key_states = (
+            self.k_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        value_states = (
+            self.v_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
         kv_seq_len = q_len
         if past_key_value is not None:
             kv_seq_len += past_key_value.get_seq_length(self.layer_idx)
         cos, sin = self.rotary_emb(value_states, seq_len=kv_seq_len)
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin, position_ids)
+        query_states, key_states = apply_rotary_pos_emb(
+            query_states, key_states, cos, sin, position_ids
+        )
         if past_key_value is not None:
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_value.update(
+                key_states, value_states, self.layer_idx
+            )
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / (self.head_dim ** 0.5)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / (self.head_dim**0.5)
         attn_weights = attn_weights + attention_mask
         attn_weights = F.softmax(attn_weights, dim=-1)
         attn_output = torch.matmul(attn_weights, value_states)
@@ -164,8 +193,9 @@ class NemotronDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask, position_ids, past_key_value):
         residual = hidden_states
-        hidden_states, _, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_ids,
-                                             past_key_value)
+        hidden_states, _, _ = self.self_attn(
+            self.input_layernorm(hidden_states), attention_mask, position_ids, past_key_value
+        )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -174,7 +204,9 @@ class NemotronModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([NemotronDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [NemotronDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = NemotronLayerNorm1P(config.hidden_size, eps=config.norm_eps)
 
     def forward(self, input_ids, past_key_values=None):
@@ -210,7 +242,9 @@ class NemotronForCausalLM(nn.Module):
         if use_cache and past_key_values is None:
             past_key_values = NemotronCache()
         hidden_states = self.model(input_ids, past_key_values if use_cache else None)
-        return CausalLMOutputWithPast(self.lm_head(hidden_states), past_key_values if use_cache else None)
+        return CausalLMOutputWithPast(
+            self.lm_head(hidden_states), past_key_values if use_cache else None
+        )
 
 
 def make_model():

@@ -85,8 +85,11 @@ class GraniteRMSNorm(nn.Module):
 class GraniteRotaryEmbedding(nn.Module):
     def __init__(self, dim, base):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+            persistent=False,
+        )
 
     def forward(self, x, position_ids):
         freqs = position_ids[:, :, None].double() * self.inv_freq[None, None, :]
@@ -109,8 +112,12 @@ class GraniteAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.scaling = config.attention_multiplier
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states, position_embeddings, past_key_value=None):
@@ -124,10 +131,17 @@ class GraniteAttention(nn.Module):
         query_states = query_states * cos + rotate_half(query_states) * sin
         key_states = key_states * cos + rotate_half(key_states) * sin
         if past_key_value is not None:
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_value.update(
+                key_states, value_states, self.layer_idx
+            )
         q_len = query_states.shape[2]
         attn_output = F.scaled_dot_product_attention(
-            query_states, key_states, value_states, is_causal=q_len > 1, scale=self.scaling, enable_gqa=True
+            query_states,
+            key_states,
+            value_states,
+            is_causal=q_len > 1,
+            scale=self.scaling,
+            enable_gqa=True,
         )
         attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), None
@@ -155,7 +169,9 @@ class GraniteDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, past_key_value):
         residual = hidden_states
-        hidden_states, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, past_key_value)
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, past_key_value
+        )
         hidden_states = residual + hidden_states * self.residual_multiplier
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -166,9 +182,13 @@ class GraniteModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([GraniteDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [GraniteDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = GraniteRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = GraniteRotaryEmbedding(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        self.rotary_emb = GraniteRotaryEmbedding(
+            config.hidden_size // config.num_attention_heads, config.rope_theta
+        )
         self.embedding_multiplier = config.embedding_multiplier
 
     def forward(self, input_ids, past_key_values=None):

@@ -59,7 +59,9 @@ class ExaoneCache:
             self.value_cache[layer_idx] = value_states
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
     def get_seq_length(self):
@@ -80,8 +82,11 @@ class ExaoneRMSNorm(nn.Module):
 class ExaoneRotaryEmbedding(nn.Module):
     def __init__(self, dim, base):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+            persistent=False,
+        )
 
     def forward(self, x, position_ids):
         freqs = position_ids[:, :, None].double() * self.inv_freq[None, None, :]
@@ -97,7 +102,9 @@ def rotate_half(x):
 
 def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -112,25 +119,43 @@ class ExaoneSelfAttention(nn.Module):
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.rotary = ExaoneRotaryEmbedding(self.head_dim, config.rope_theta)
         self.q_proj = nn.Linear(self.embed_dim, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(self.embed_dim, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(self.embed_dim, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            self.embed_dim, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            self.embed_dim, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.out_proj = nn.Linear(self.num_heads * self.head_dim, self.embed_dim, bias=False)
 
     def forward(self, hidden_states, attention_mask, position_ids, past_key_value=None):
         bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        query_states = (
+            self.q_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        key_states = (
+            self.k_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        value_states = (
+            self.v_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
         cos, sin = self.rotary(value_states, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         query_states = query_states * cos + rotate_half(query_states) * sin
         key_states = key_states * cos + rotate_half(key_states) * sin
         present = (key_states, value_states)
         if past_key_value is not None:
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_id)
+            key_states, value_states = past_key_value.update(
+                key_states, value_states, self.layer_id
+            )
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / (self.head_dim ** 0.5)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / (self.head_dim**0.5)
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
         attn_weights = F.softmax(attn_weights, dim=-1)
@@ -169,7 +194,9 @@ class ExaoneBlock(nn.Module):
 
     def forward(self, hidden_states, attention_mask, position_ids, layer_past):
         residual = hidden_states
-        attn_output, present = self.attn(self.ln_1(hidden_states), attention_mask, position_ids, layer_past)
+        attn_output, present = self.attn(
+            self.ln_1(hidden_states), attention_mask, position_ids, layer_past
+        )
         hidden_states = residual + attn_output
         return hidden_states + self.mlp(self.ln_2(hidden_states)), present
 
@@ -192,7 +219,9 @@ class ExaoneModel(nn.Module):
             dtype = hidden_states.dtype
             target = past_length + seq_len
             mask = torch.zeros(seq_len, target, dtype=dtype)
-            mask = mask.masked_fill(torch.arange(target)[None, :] > cache_position[:, None], torch.finfo(dtype).min)
+            mask = mask.masked_fill(
+                torch.arange(target)[None, :] > cache_position[:, None], torch.finfo(dtype).min
+            )
             mask = mask[None, None]
         for i, block in enumerate(self.h):
             hidden_states, present = block(hidden_states, mask, position_ids, past_key_values)
@@ -221,7 +250,9 @@ class ExaoneForCausalLM(nn.Module):
         if use_cache and past_key_values is None:
             past_key_values = ExaoneCache(self.config.num_layers)
         hidden_states = self.transformer(input_ids, past_key_values if use_cache else None)
-        return CausalLMOutputWithPast(self.lm_head(hidden_states), past_key_values if use_cache else None)
+        return CausalLMOutputWithPast(
+            self.lm_head(hidden_states), past_key_values if use_cache else None
+        )
 
 
 def make_model():

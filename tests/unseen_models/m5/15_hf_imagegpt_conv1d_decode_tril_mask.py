@@ -50,7 +50,9 @@ class ImageGPTLayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, tensor):
-        tensor = tensor / torch.sqrt(torch.mean(torch.square(tensor), axis=-1, keepdim=True) + self.eps)
+        tensor = tensor / torch.sqrt(
+            torch.mean(torch.square(tensor), axis=-1, keepdim=True) + self.eps
+        )
         return tensor * self.weight
 
 
@@ -79,7 +81,9 @@ class ImageGPTAttention(nn.Module):
 
     def _attn(self, query, key, value):
         attn_weights = torch.matmul(query, key.transpose(-1, -2))
-        attn_weights = attn_weights / torch.full([], value.size(-1) ** 0.5, dtype=attn_weights.dtype)
+        attn_weights = attn_weights / torch.full(
+            [], value.size(-1) ** 0.5, dtype=attn_weights.dtype
+        )
         query_length, key_length = query.size(-2), key.size(-2)
         causal_mask = torch.tril(torch.ones(query_length, key_length, dtype=torch.bool))
         mask_value = torch.full([], torch.finfo(attn_weights.dtype).min, dtype=attn_weights.dtype)
@@ -150,7 +154,9 @@ class ImageGPTModel(nn.Module):
         else:
             past_length = past_key_values[0][0].size(-2)
         input_shape = input_ids.size()
-        position_ids = torch.arange(past_length, input_shape[-1] + past_length, dtype=torch.long).unsqueeze(0)
+        position_ids = torch.arange(
+            past_length, input_shape[-1] + past_length, dtype=torch.long
+        ).unsqueeze(0)
         hidden_states = self.wte(input_ids) + self.wpe(position_ids)
         presents = () if use_cache else None
         for block, layer_past in zip(self.h, past_key_values):

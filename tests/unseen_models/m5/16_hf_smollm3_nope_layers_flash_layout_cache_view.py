@@ -48,7 +48,9 @@ class SmolLM3Config:
 
     @property
     def no_rope_layers(self):
-        return [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(self.num_hidden_layers)]
+        return [
+            int((i + 1) % self.no_rope_layer_interval != 0) for i in range(self.num_hidden_layers)
+        ]
 
 
 class SmolLM3RMSNorm(nn.Module):
@@ -65,8 +67,11 @@ class SmolLM3RMSNorm(nn.Module):
 class SmolLM3RotaryEmbedding(nn.Module):
     def __init__(self, dim, base):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+            persistent=False,
+        )
 
     def forward(self, x, position_ids):
         freqs = position_ids[:, :, None].double() * self.inv_freq[None, None, :]
@@ -82,7 +87,9 @@ def rotate_half(x):
 
 def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -94,14 +101,20 @@ class SmolLM3Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.use_rope = config.no_rope_layers[layer_idx]
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, layer_past=None, use_cache=False):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask, layer_past=None, use_cache=False
+    ):
         bsz, q_len, _ = hidden_states.shape
         hidden_shape = (bsz, q_len, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -119,13 +132,18 @@ class SmolLM3Attention(nn.Module):
             value_states = torch.cat([past_value, value_states], dim=2)
         present = None
         if use_cache:
-            present = (key_states.transpose(1, 2).contiguous(), value_states.transpose(1, 2).contiguous())
+            present = (
+                key_states.transpose(1, 2).contiguous(),
+                value_states.transpose(1, 2).contiguous(),
+            )
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
         attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
         attn_weights = attn_weights + attention_mask
         attn_weights = F.softmax(attn_weights, dim=-1)
-        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).reshape(bsz, q_len, -1)
+        attn_output = (
+            torch.matmul(attn_weights, value_states).transpose(1, 2).reshape(bsz, q_len, -1)
+        )
         return self.o_proj(attn_output), present
 
 
@@ -150,8 +168,13 @@ class SmolLM3DecoderLayer(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask, layer_past, use_cache):
         residual = hidden_states
-        hidden_states, present = self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
-                                                attention_mask, layer_past, use_cache)
+        hidden_states, present = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            attention_mask,
+            layer_past,
+            use_cache,
+        )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), present
 
@@ -160,9 +183,13 @@ class SmolLM3Model(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([SmolLM3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [SmolLM3DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = SmolLM3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = SmolLM3RotaryEmbedding(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        self.rotary_emb = SmolLM3RotaryEmbedding(
+            config.hidden_size // config.num_attention_heads, config.rope_theta
+        )
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         bsz, seq_len = input_ids.shape
@@ -173,14 +200,18 @@ class SmolLM3Model(nn.Module):
         dtype = inputs_embeds.dtype
         target = past_length + seq_len
         mask = torch.zeros(seq_len, target, dtype=dtype)
-        mask = mask.masked_fill(torch.arange(target)[None, :] > cache_position[:, None], torch.finfo(dtype).min)
+        mask = mask.masked_fill(
+            torch.arange(target)[None, :] > cache_position[:, None], torch.finfo(dtype).min
+        )
         mask = mask[None, None]
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         presents = ()
         for i, decoder_layer in enumerate(self.layers):
             layer_past = past_key_values[i] if past_key_values is not None else None
-            hidden_states, present = decoder_layer(hidden_states, position_embeddings, mask, layer_past, use_cache)
+            hidden_states, present = decoder_layer(
+                hidden_states, position_embeddings, mask, layer_past, use_cache
+            )
             presents = presents + (present,)
         return self.norm(hidden_states), (presents if use_cache else None)
 

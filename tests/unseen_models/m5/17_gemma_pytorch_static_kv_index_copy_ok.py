@@ -66,7 +66,9 @@ def apply_rotary_emb(x, freqs_cis):
     """x: (b, s, h, d); pairs are (x[..., i], x[..., i + d/2])."""
     dtype = x.dtype
     work = torch.float64
-    x_ = torch.view_as_complex(torch.stack(torch.chunk(x.transpose(1, 2).to(work), 2, dim=-1), dim=-1))
+    x_ = torch.view_as_complex(
+        torch.stack(torch.chunk(x.transpose(1, 2).to(work), 2, dim=-1), dim=-1)
+    )
     x_out = torch.view_as_real(x_ * freqs_cis[None, None])
     x_out = torch.cat(torch.chunk(x_out, 2, dim=-1), dim=-2)
     x_out = x_out.reshape(x_out.shape[0], x_out.shape[1], x_out.shape[2], -1).transpose(1, 2)
@@ -104,7 +106,7 @@ class GemmaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
@@ -146,7 +148,9 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, freqs_cis, kv_write_indices, kv_cache, mask):
         residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), freqs_cis, kv_write_indices, kv_cache, mask)
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), freqs_cis, kv_write_indices, kv_cache, mask
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -155,7 +159,9 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.layers = nn.ModuleList([GemmaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [GemmaDecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, freqs_cis, kv_write_indices, kv_caches, mask):
@@ -170,9 +176,14 @@ class GemmaForCausalLM(nn.Module):
         self.config = config
         self.embedder = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model = GemmaModel(config)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(config.head_dim, config.max_position_embeddings * 2),
-                             persistent=False)
-        mask = torch.full((config.max_position_embeddings, config.max_position_embeddings), float("-inf"))
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(config.head_dim, config.max_position_embeddings * 2),
+            persistent=False,
+        )
+        mask = torch.full(
+            (config.max_position_embeddings, config.max_position_embeddings), float("-inf")
+        )
         self.register_buffer("mask_tensor", torch.triu(mask, diagonal=1), persistent=False)
         self.current_pos = 0
         self.kv_caches = None
@@ -181,7 +192,10 @@ class GemmaForCausalLM(nn.Module):
     def _alloc(self, dtype):
         c = self.config
         shape = (c.max_batch_size, c.max_position_embeddings, c.num_key_value_heads, c.head_dim)
-        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(c.num_hidden_layers)]
+        return [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(c.num_hidden_layers)
+        ]
 
     def reset_kv_cache(self):
         self.current_pos = 0
@@ -203,7 +217,7 @@ class GemmaForCausalLM(nn.Module):
         freqs_cis = self.freqs_cis.index_select(0, input_positions)
         mask = self.mask_tensor.index_select(0, input_positions).to(dtype)[None, None]
         hidden_states = self.embedder(input_token_ids)
-        hidden_states = hidden_states * torch.tensor(self.config.hidden_size ** 0.5, dtype=dtype)
+        hidden_states = hidden_states * torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
         hidden_states = self.model(hidden_states, freqs_cis, input_positions, kv_caches, mask)
         return torch.matmul(hidden_states, self.embedder.weight.t())
 
