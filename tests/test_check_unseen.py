@@ -15,6 +15,17 @@ from attnscope import AttnScopeError, ModelReport, check
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
+    # round 12's first run (commit b668279): decoders whose eval computation has no trace of
+    # causality (a mask built only in training; is_causal tied to a cache flag that is off)
+    "r12/b19_trocr_mask_only_in_training": (
+        "inferred",
+        "its causal mask is built only in training: in eval nothing it computes says decoder",
+    ),
+    "r12/b28_lag_llama_is_causal_tied_to_cache": (
+        "inferred",
+        "is_causal is False without a cache: nothing it computes says decoder (only its "
+        "class's name)",
+    ),
 }
 
 
@@ -53,6 +64,11 @@ _FEATURE_WORDS = {
     "differential_attention": "two softmax",
     "per_dim_scale": "factor",
     "attention_sink": "attention sink",
+    "retention": "multiplying the scores",
+    "cross_covariance": "normalised",
+    "sub_layernorm": "norm",
+    "forget_gate_bias": "bias made from the input",
+    "random_feature_kernel": "linear attention",
 }
 
 

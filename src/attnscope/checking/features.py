@@ -30,9 +30,13 @@ _UNIT_NORMS = {"normalize", "norm", "vector_norm", "linalg_vector_norm"}
 _NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt", "normalize", "norm", "vector_norm"}
 MASKING_OPS = {"masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub"}
 MASKING_OPS |= {"__sub__", "sub_"}
+_ADDS = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__", "sub_"}
 MASKING_OPS |= {"mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
 
 
+#: normalisations (a call, or an RMS norm's rsqrt written out): on the context before the
+#: output projection, a step the reference does not have (heads averaged is a mean alone)
+_NORMS = {"layer_norm", "rms_norm", "group_norm", "normalize", "rsqrt", "var", "std", "var_mean"}
 #: elementwise products that gate a tensor
 _GATES = {"mul", "__mul__", "__rmul__", "mul_", "multiply"}
 #: calls that write into a tensor in place (a KV cache's update)
@@ -312,6 +316,13 @@ class Features:
             end = min(end, self.s.out.op.index)
         made = self.g.descendants(start.index)
         for op in self.ops[start.index + 1 : end]:
+            if op.index in made and op.name in _NORMS and self.s.out is not None:
+                self._unmodelled(
+                    f"a norm ({op.name}) applied to the context before the output projection "
+                    "(a sub-LayerNorm inside the attention, as Kosmos-2 and Magneto have?)",
+                    op.location,
+                )
+                return
             if op.index not in made or op.name not in _GATES:
                 continue
             others = [a for a in op.args if a not in made and self.g.tainted[a]]
@@ -465,6 +476,8 @@ class Features:
                 self._combined_softmaxes(op, reach, after_softmax)
             if op.name in ("sigmoid", "sigmoid_") and i != start:
                 self._shifted_sigmoid(op, reach)
+            if op.name in _ADDS and i != start:
+                self._input_bias(op, reach)
             if op.name in _SOFTMAX_CALLS or any(a in after_softmax for a in op.args):
                 after_softmax.add(i)
             if op.name not in MASKING_OPS or i == start:
@@ -487,6 +500,27 @@ class Features:
                 detail = f"a sliding-window mask ({detail})"
             if s.causal is None:
                 s.causal = f"{detail} at {op.location}"
+
+    def _input_bias(self, op: Op, reach: set[int]) -> None:
+        """A term added to the scores that is made from the input but not from the scores'
+        product: a bias that depends on the content (the Forgetting Transformer's summed
+        forget gates, content-to-position terms of relative attention). A mask made from
+        the input (0 or very negative only: padding read from token ids) is not one."""
+        for a in op.args:
+            if a in reach or not self.g.tainted[a]:
+                continue
+            t = self.ops[a].output.detach()
+            if not t.is_floating_point() or t.dim() < 2 or t.numel() <= 1:
+                continue
+            t64 = t.double()
+            finite = t64[torch.isfinite(t64) & (t64 > -1e4)]
+            if torch.unique(finite).numel() > 2:
+                self._unmodelled(
+                    "a bias made from the input added to the scores (a data-dependent bias: "
+                    "a forget gate, or content-to-position terms of relative attention?)",
+                    op.location,
+                )
+                return
 
     def _softmax_after(self, i: int, reach: set[int]) -> bool:
         """Whether a softmax (or its exp) is made from this op's output on the score path."""
@@ -575,7 +609,12 @@ class Features:
                 return ("bias-learned", "a learned relative position bias added to the scores")
             self._bias_seen = t
             return ("bias", "a position bias added to the scores (ALiBi)")
-        return self._judge_hidden(~torch.isfinite(t64) | (t64 < -1e4), "an additive mask")
+        hidden = ~torch.isfinite(t64) | (t64 < -1e4)
+        if not bool(hidden.any()) and bool((t64 > 1e4).any()):
+            # the cells a mask hides, filled with a huge positive value: a mask with its sign
+            # flipped (``-finfo.min``) is still where the layer masks (the judge names it)
+            return self._judge_hidden(t64 > 1e4, "an additive mask of huge positive values")
+        return self._judge_hidden(hidden, "an additive mask")
 
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
         hidden = tokens_last(hidden)

@@ -741,10 +741,12 @@ class ModuleProbe:
         # a block: its input normed before the projections (pre-norm), or weights of its own
         # after the attention (an MLP, a norm); a layer that adds its input to its own
         # output and stops there is a layer with a residual inside (a mistake)
-        more = any(c.path and end < c.start < stop for c in rec.modules) or any(
-            (op.leaf or "").startswith("param:") for op in rec.ops[end + 1 : stop]
-        )
-        if end not in past or not residual or not (st.pre or more):
+        more = any(
+            c.path and end < c.start < stop and any(True for _ in c.module.parameters())
+            for c in rec.modules
+        ) or any((op.leaf or "").startswith("param:") for op in rec.ops[end + 1 : stop])
+        normed = any(op.index >= start for op in st.pre)  # its own pre-norm, not a wrapper's
+        if end not in past or not residual or not (normed or more):
             return None
         # the innermost submodule call that holds the output projection and ends with it,
         # else the projection's own parameters, where the call that reads them is taken

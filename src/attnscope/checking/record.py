@@ -118,11 +118,22 @@ def short_path(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+_CHECKER_DIR = os.path.dirname(__file__)
+
+
 def _user_location() -> str | None:
-    """``file:line`` of the innermost frame outside torch and attnscope."""
+    """``file:line`` of the innermost frame outside torch and attnscope. Reaching the
+    checker's own frames first, the frames outside are the checker's caller, not the
+    target's code: the line is then attnscope's own where its layer made the tensor, None
+    where the checker itself did (a probe's layout undone on the way out)."""
     frame = sys._getframe(2)
+    own = None
     while frame is not None:
         path = frame.f_code.co_filename
+        if path.startswith(_CHECKER_DIR):
+            return own
+        if own is None and path.startswith(_OWN_DIR):
+            own = f"{short_path(path)}:{frame.f_lineno}"
         if not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR) or path.startswith("<")):
             return f"{short_path(path)}:{frame.f_lineno}"
         if path.startswith("<") and not path.startswith("<frozen"):

@@ -298,6 +298,22 @@ class _Reader:
                     "holds several attention layers, one after the other (a whole model)"
                 )
             return self._from_mha(mha, after_context)
+        linear = self._keys_times_values()
+        if linear is not None and (
+            not cores
+            or any(
+                linear.index in self.g.ancestors(op.index)
+                for c in cores
+                for op in (c.score, c.context)
+                if op is not None
+            )
+        ):  # what reads as attention is the queries times k'^T v (or its normaliser)
+            raise Unsupported(
+                "not supported yet: linear attention (two tensors made from the input "
+                "multiplied over the tokens first, so no token-by-token weights are ever "
+                "made: a kernel or random-feature approximation of the softmax, as "
+                f"Performer's?) at {linear.location}"
+            )
         if not cores:
             raise AttnScopeError(
                 "found no attention in its computation: expected a product of two tensors made "
@@ -305,6 +321,27 @@ class _Reader:
                 "(the context), or a call of scaled_dot_product_attention"
             )
         return self._assemble(cores, projs, after_context)
+
+    def _keys_times_values(self) -> Op | None:
+        """A product of two tensors made from the input that sums over the tokens axis and
+        keeps no token axis (``k'^T v``, ``(..., d, e)``): linear attention's first step."""
+        first = next((op for op in self.ops if op.leaf == "input:0"), None)
+        if first is None or first.output.dim() != 3:
+            return None
+        n = first.output.shape[1]
+        for op in self.ops:
+            if op.name not in _PRODUCT or len(self.g.tainted_args(op)) < 2:
+                continue
+            shapes = [self.ops[a].output.shape for a in self.g.tainted_args(op)]
+            out = op.output.shape
+            if (
+                out.numel() > 1
+                and len(out) >= 2
+                and n not in out[-2:]
+                and all(n in sh[-2:] for sh in shapes)
+            ):
+                return op
+        return None
 
     def _scan(self):
         """Projections and cores (scores and context products, fused calls) in the record."""

@@ -161,7 +161,18 @@ def _by_sequence(rope, t: torch.Tensor) -> torch.Tensor:
 def _rope_on_values(c: Context) -> list[Mutation]:
     if c.spec.rope is None:
         return []
-    return [Mutation("rope_on_values", Stage.VALUES, "the values rotated too", rotate_values=True)]
+    keys_left = lambda role, t: t if role == "k" else c.spec.rope.rotate(t)  # noqa: E731
+    return [
+        Mutation("rope_on_values", Stage.VALUES, "the values rotated too", rotate_values=True),
+        # ``q, v = rotary(q, v)``: the rotation handed the values in the keys' place
+        Mutation(
+            "rope_on_values",
+            Stage.VALUES,
+            "the values rotated in place of the keys (the keys left unrotated)",
+            rotate_values=True,
+            rotate=keys_left,
+        ),
+    ]
 
 
 @define(

@@ -43,6 +43,10 @@ def _heads_merge(c: Context) -> list[Mutation]:
         "heads merged without moving the head axis back (mixes tokens)": lambda t: t.reshape(
             t.shape[0], t.shape[2], -1
         ),
+        # a tokens-first layer (fairseq's (T, B*H, hd) bmm layout) viewing its
+        # (B*H, T, hd) context as (T, B, d_out) without the transpose
+        "heads merged tokens first without moving the head axis back (mixes tokens and "
+        "sequences)": lambda t: t.reshape(t.shape[2], t.shape[0], -1).transpose(0, 1),
         "heads merged feature-interleaved": lambda t: t.permute(0, 2, 3, 1).reshape(
             t.shape[0], t.shape[2], -1
         ),

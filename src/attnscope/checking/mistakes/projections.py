@@ -183,6 +183,25 @@ def _heads_split(c: Context) -> list[Mutation]:
                     "heads_split", stage, f"heads of {stage} cut from {how}", split=_only(i, bad)
                 )
             )
+    if c.spec.kv == c.spec.num_heads:
+        # (B, T, H, hd) never transposed: each token attends over its own heads
+        def heads_kept(t: T, heads: int) -> T:
+            return t.reshape(*t.shape[:2], heads, -1)
+
+        for label, back in (
+            ("transposed back", lambda t: t.transpose(1, 2).reshape(*t.shape[:2], -1)),
+            ("merged as they are", lambda t: t.reshape(*t.shape[:2], -1)),
+        ):
+            out.append(
+                Mutation(
+                    "heads_split",
+                    Stage.QUERIES,
+                    "heads cut with the head axis left after the tokens ((b, tokens, heads, "
+                    f"head_dim): each token attends over its own heads), {label}",
+                    split=heads_kept,
+                    merge=back,
+                )
+            )
     if c.combined_qkv and c.spec.kv == c.spec.num_heads:
         out += _fused_splits(c.spec.num_heads)
     return out

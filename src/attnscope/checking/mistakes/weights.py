@@ -77,6 +77,13 @@ def _not_softmax(c: Context) -> list[Mutation]:
         "exp without normalising": torch.exp,
         "log_softmax": lambda s: torch.log_softmax(s, dim=-1),
         "relu divided by the row sum": lambda s: s.relu() / s.relu().sum(-1, keepdim=True),
+        # F.normalize in the softmax's place (p=1: the absolute row sum; its default p=2)
+        "scores divided by their row's L1 norm (F.normalize, p=1)": lambda s: (
+            s / s.abs().sum(-1, keepdim=True).clamp_min(1e-12)
+        ),
+        "scores divided by their row's L2 norm (F.normalize)": lambda s: (
+            s / s.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        ),
         "masked scores set to 0 and divided by the row sum": lambda s: (
             s.nan_to_num(neginf=0.0) / s.nan_to_num(neginf=0.0).sum(-1, keepdim=True)
         ),
