@@ -383,3 +383,66 @@ def test_a_stack_of_one_layer_class_is_one_kind_when_the_kind_is_inferred():
         "missing_mask",
     )
     assert check(lambda: _Stacks((True, True)).eval()).ok
+
+
+class _Core(torch.nn.Module):
+    """An attention core without weights, handed queries, keys and values per head."""
+
+    def forward(self, q, k, v, mask):
+        s = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+        return s.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+class _SelfAttention(torch.nn.Module):
+    """ChatGLM's split: the projections here, the products in a core submodule."""
+
+    def __init__(self, d, heads, tokens_first):
+        super().__init__()
+        self.h, self.tokens_first = heads, tokens_first
+        self.query_key_value = torch.nn.Linear(d, 3 * d)
+        self.core_attention = _Core()
+        self.dense = torch.nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        if self.tokens_first:
+            x = x.transpose(0, 1)
+        b, n, d = x.shape
+        q, k, v = self.query_key_value(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        y = self.dense(self.core_attention(q, k, v, mask).transpose(1, 2).reshape(b, n, d))
+        return y.transpose(0, 1) if self.tokens_first else y
+
+
+class _CoreInside(torch.nn.Module):
+    def __init__(self, tokens_first, vocab=50, d=32, heads=4, layers=2):
+        super().__init__()
+        self.tokens_first = tokens_first
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(
+            _SelfAttention(d, heads, tokens_first) for _ in range(layers)
+        )
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        h = self.emb(ids)
+        h = h.transpose(0, 1) if self.tokens_first else h
+        mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+        for layer in self.layers:
+            h = h + layer(h, mask)
+        return self.head(h.transpose(0, 1) if self.tokens_first else h)
+
+
+@pytest.mark.parametrize("tokens_first", [False, True])
+def test_a_layer_is_the_module_holding_its_projections_not_its_weightless_core(tokens_first):
+    """The projections are found at the model level too (its parameters named in the
+    record), so the layer is the module that makes queries, keys and values and calls a
+    core with them, not the core, which takes no hidden states (ChatGLM's core_attention)."""
+
+    def make():
+        torch.manual_seed(0)
+        return _CoreInside(tokens_first).eval()
+
+    report = check(make)
+    assert report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == ["layers.0", "layers.1"]
+    assert all(r.kind == "causal-multihead" for _, r in report.layers)
