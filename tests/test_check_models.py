@@ -446,3 +446,66 @@ def test_a_layer_is_the_module_holding_its_projections_not_its_weightless_core(t
     assert report.ok, report.to_text(color=False)
     assert [p for p, _ in report.layers] == ["layers.0", "layers.1"]
     assert all(r.kind == "causal-multihead" for _, r in report.layers)
+
+
+class _StaticCacheAttention(torch.nn.Module):
+    """gemma_pytorch's layer: rotary keys and values written with index_copy_ into the static
+    cache it is handed, at the tokens' positions, the scores read over every slot, the mask
+    hiding those not written."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.qkv_proj = torch.nn.Linear(d, 3 * d, bias=False)
+        self.o_proj = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x, pos, kv_cache, mask):
+        b, n, d = x.shape
+        q, k, v = (t.view(b, n, self.h, self.hd) for t in self.qkv_proj(x).split(d, -1))
+        half = self.hd // 2
+        inv = 1.0 / 10000 ** (torch.arange(half, dtype=x.dtype) / half)
+        ang = pos.to(x.dtype)[:, None, None] * inv
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+        q, k = (t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin for t in (q, k))
+        k_cache, v_cache = kv_cache
+        k_cache[:b].index_copy_(1, pos, k)
+        v_cache[:b].index_copy_(1, pos, v)
+        keys, values = k_cache[:b].transpose(1, 2), v_cache[:b].transpose(1, 2)
+        s = q.transpose(1, 2) @ keys.transpose(2, 3) / self.hd**0.5 + mask
+        y = (s.softmax(-1) @ values).transpose(1, 2).reshape(b, n, d)
+        return self.o_proj(y)
+
+
+class _StaticCacheLM(torch.nn.Module):
+    def __init__(self, vocab=50, d=32, heads=4, layers=2, slots=24):
+        super().__init__()
+        self.shape = (8, slots, heads, d // heads)
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(_StaticCacheAttention(d, heads) for _ in range(layers))
+        full = torch.full((slots, slots), float("-inf"))
+        self.register_buffer("mask", torch.triu(full, diagonal=1))
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1])
+        mask = self.mask.index_select(0, pos)[None, None]
+        h = self.emb(ids)
+        for layer in self.layers:
+            caches = (torch.zeros(self.shape), torch.zeros(self.shape))
+            h = h + layer(h, pos, caches, mask)
+        return h @ self.emb.weight.t()
+
+
+def test_a_static_cache_read_whole_is_refused_counting_the_hidden_slots():
+    """Not modelled yet: the refusal says how many of the keys read are the slots written
+    and how many no query sees (the unwritten slots the mask hides)."""
+
+    def make():
+        torch.manual_seed(0)
+        return _StaticCacheLM().eval()
+
+    with pytest.raises(
+        AttnScopeError,
+        match=r"read 24 keys for 7 queries: 7 it attends to and 17 slots that no query sees "
+        r".*not modelled yet",
+    ):
+        check(make, kind="causal-multihead")
