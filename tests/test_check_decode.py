@@ -517,3 +517,106 @@ def test_the_text_report_says_how_it_decoded_and_where_to_look():
     assert any(x.startswith("  at ") and "buggy_cache_mask_first_rows.py:" in x for x in lines)
     ok = check(_gallery("correct_hf_style_tuple")).to_text(color=False)
     assert "decoding with its cache (hf): pass  8 cached steps equal the full pass" in ok
+
+
+def _incremental_state_model(time_first: bool):
+    """A fairseq-style LM: its cache is a dict subclass its own module defines (keyed by
+    layer, plus the step count for positions), layers run tokens first ``(T, B, d)`` or
+    batch first, and only the new tokens are passed."""
+
+    class IncrementalCache(dict):
+        def __init__(self, n_layers=2):
+            super().__init__()
+            self["steps"] = 0
+
+    class Attention(nn.Module):
+        def __init__(self, d, heads, key):
+            super().__init__()
+            self.h, self.hd, self.key = heads, d // heads, key
+            self.q_proj, self.k_proj = nn.Linear(d, d), nn.Linear(d, d)
+            self.v_proj, self.out_proj = nn.Linear(d, d), nn.Linear(d, d)
+
+        def forward(self, x, state=None):
+            if time_first:
+                x = x.transpose(0, 1)
+            b, n, d = x.shape
+            q, k, v = (
+                p(x).view(b, n, self.h, self.hd).transpose(1, 2)
+                for p in (self.q_proj, self.k_proj, self.v_proj)
+            )
+            if state is not None:
+                saved = state.get(self.key, {})
+                if "prev_key" in saved:
+                    k = torch.cat([saved["prev_key"], k], 2)
+                    v = torch.cat([saved["prev_value"], v], 2)
+                state[self.key] = {"prev_key": k, "prev_value": v}
+            total = k.shape[2]
+            s = q @ k.transpose(-2, -1) / self.hd**0.5
+            rows = torch.arange(total - n, total)[:, None]
+            s = s.masked_fill(torch.arange(total)[None, :] > rows, float("-inf"))
+            y = self.out_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+            return y.transpose(0, 1) if time_first else y
+
+    class LM(nn.Module):
+        def __init__(self, vocab=64, d=32, layers=2):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(64, d)
+            self.attns = nn.ModuleList(Attention(d, 4, f"layer{i}") for i in range(layers))
+            self.head = nn.Linear(d, vocab)
+
+        def reset_kv_cache(self):
+            pass
+
+        def forward(self, ids, cache=None):
+            n = ids.shape[1]
+            start = cache["steps"] if cache is not None else 0
+            x = self.tok(ids) + self.pos(torch.arange(start, start + n))
+            if time_first:
+                x = x.transpose(0, 1)
+            for a in self.attns:
+                x = x + a(x, cache)
+            if cache is not None:
+                cache["steps"] = start + n
+            return self.head(x.transpose(0, 1) if time_first else x)
+
+    return IncrementalCache, LM
+
+
+@pytest.mark.parametrize("time_first", [False, True])
+def test_a_dict_cache_of_the_models_module_with_layers_tokens_first(monkeypatch, time_first):
+    """fairseq's incremental_state: a dict subclass the model's module defines is its cache
+    (not attnscope's stand-in, which it would index by a string), and a layer run tokens
+    first has its new token read along its token axis, not the batch axis."""
+    import types
+
+    cache, lm = _incremental_state_model(time_first)
+    module = types.ModuleType("fairseq_like_lm")
+    module.IncrementalCache, module.LM = cache, lm
+    cache.__module__ = lm.__module__ = module.__name__
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    def make():
+        torch.manual_seed(0)
+        return lm()
+
+    report = check(make, kind="causal-multihead")
+    assert report.decode is not None and report.decode.protocol == "cache"
+    assert report.decode.ok, report.decode.message
+
+
+def test_a_model_indexing_the_stand_in_cache_otherwise_is_refused_not_judged():
+    """A model whose module names no cache class and that indexes the stand-in KVCache by a
+    key it has no slot for expects another cache: exit 2, not cache_other."""
+
+    class ByKey(TinyGPT):
+        def forward(self, ids, use_cache=False, cache=None):
+            if cache is not None:
+                self.current_pos = cache["steps"] if use_cache else 0
+            return super().forward(ids, use_cache=use_cache, cache=cache)
+
+    def make():
+        torch.manual_seed(0)
+        return ByKey()
+
+    with pytest.raises(AttnScopeError, match=r"another way.*TypeError.*--decode none"):
+        check(make)

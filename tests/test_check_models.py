@@ -383,3 +383,129 @@ def test_a_stack_of_one_layer_class_is_one_kind_when_the_kind_is_inferred():
         "missing_mask",
     )
     assert check(lambda: _Stacks((True, True)).eval()).ok
+
+
+class _Core(torch.nn.Module):
+    """An attention core without weights, handed queries, keys and values per head."""
+
+    def forward(self, q, k, v, mask):
+        s = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+        return s.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+class _SelfAttention(torch.nn.Module):
+    """ChatGLM's split: the projections here, the products in a core submodule."""
+
+    def __init__(self, d, heads, tokens_first):
+        super().__init__()
+        self.h, self.tokens_first = heads, tokens_first
+        self.query_key_value = torch.nn.Linear(d, 3 * d)
+        self.core_attention = _Core()
+        self.dense = torch.nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        if self.tokens_first:
+            x = x.transpose(0, 1)
+        b, n, d = x.shape
+        q, k, v = self.query_key_value(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        y = self.dense(self.core_attention(q, k, v, mask).transpose(1, 2).reshape(b, n, d))
+        return y.transpose(0, 1) if self.tokens_first else y
+
+
+class _CoreInside(torch.nn.Module):
+    def __init__(self, tokens_first, vocab=50, d=32, heads=4, layers=2):
+        super().__init__()
+        self.tokens_first = tokens_first
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(
+            _SelfAttention(d, heads, tokens_first) for _ in range(layers)
+        )
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        h = self.emb(ids)
+        h = h.transpose(0, 1) if self.tokens_first else h
+        mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+        for layer in self.layers:
+            h = h + layer(h, mask)
+        return self.head(h.transpose(0, 1) if self.tokens_first else h)
+
+
+@pytest.mark.parametrize("tokens_first", [False, True])
+def test_a_layer_is_the_module_holding_its_projections_not_its_weightless_core(tokens_first):
+    """The projections are found at the model level too (its parameters named in the
+    record), so the layer is the module that makes queries, keys and values and calls a
+    core with them, not the core, which takes no hidden states (ChatGLM's core_attention)."""
+
+    def make():
+        torch.manual_seed(0)
+        return _CoreInside(tokens_first).eval()
+
+    report = check(make)
+    assert report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == ["layers.0", "layers.1"]
+    assert all(r.kind == "causal-multihead" for _, r in report.layers)
+
+
+class _StaticCacheAttention(torch.nn.Module):
+    """gemma_pytorch's layer: rotary keys and values written with index_copy_ into the static
+    cache it is handed, at the tokens' positions, the scores read over every slot, the mask
+    hiding those not written."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.qkv_proj = torch.nn.Linear(d, 3 * d, bias=False)
+        self.o_proj = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x, pos, kv_cache, mask):
+        b, n, d = x.shape
+        q, k, v = (t.view(b, n, self.h, self.hd) for t in self.qkv_proj(x).split(d, -1))
+        half = self.hd // 2
+        inv = 1.0 / 10000 ** (torch.arange(half, dtype=x.dtype) / half)
+        ang = pos.to(x.dtype)[:, None, None] * inv
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+        q, k = (t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin for t in (q, k))
+        k_cache, v_cache = kv_cache
+        k_cache[:b].index_copy_(1, pos, k)
+        v_cache[:b].index_copy_(1, pos, v)
+        keys, values = k_cache[:b].transpose(1, 2), v_cache[:b].transpose(1, 2)
+        s = q.transpose(1, 2) @ keys.transpose(2, 3) / self.hd**0.5 + mask
+        y = (s.softmax(-1) @ values).transpose(1, 2).reshape(b, n, d)
+        return self.o_proj(y)
+
+
+class _StaticCacheLM(torch.nn.Module):
+    def __init__(self, vocab=50, d=32, heads=4, layers=2, slots=24):
+        super().__init__()
+        self.shape = (8, slots, heads, d // heads)
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(_StaticCacheAttention(d, heads) for _ in range(layers))
+        full = torch.full((slots, slots), float("-inf"))
+        self.register_buffer("mask", torch.triu(full, diagonal=1))
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1])
+        mask = self.mask.index_select(0, pos)[None, None]
+        h = self.emb(ids)
+        for layer in self.layers:
+            caches = (torch.zeros(self.shape), torch.zeros(self.shape))
+            h = h + layer(h, pos, caches, mask)
+        return h @ self.emb.weight.t()
+
+
+def test_a_static_cache_read_whole_is_refused_counting_the_hidden_slots():
+    """Not modelled yet: the refusal says how many of the keys read are the slots written
+    and how many no query sees (the unwritten slots the mask hides)."""
+
+    def make():
+        torch.manual_seed(0)
+        return _StaticCacheLM().eval()
+
+    with pytest.raises(
+        AttnScopeError,
+        match=r"read 24 keys for 7 queries: 7 it attends to and 17 slots that no query sees "
+        r".*not modelled yet",
+    ):
+        check(make, kind="causal-multihead")

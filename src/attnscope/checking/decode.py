@@ -276,11 +276,15 @@ def _returned_cache(out):
     return None
 
 
-def _cache_like(obj, methods: tuple[str, ...] = ("get", "update")) -> bool:
-    """A class with ``methods`` made from a layer count alone."""
+def _cache_like(obj, methods: tuple[str, ...] = ("get", "update"), mapping: bool = False) -> bool:
+    """A class with ``methods`` made from a layer count alone; a mapping only where
+    ``mapping`` (a dict's own ``get`` and ``update`` are not the book's per-layer ones, but
+    a dict subclass the model's code defines as its cache is its cache: fairseq's
+    ``incremental_state``)."""
     if (
         not isinstance(obj, type)
-        or issubclass(obj, (Mapping, nn.Module))
+        or issubclass(obj, nn.Module)
+        or (issubclass(obj, Mapping) and not mapping)
         or not all(callable(getattr(obj, m, None)) for m in methods)
     ):
         return False
@@ -310,7 +314,12 @@ def _cache_class(model: nn.Module) -> type | None:
     named = [v for v in names.values() if isinstance(v, type) and "cache" in v.__name__.lower()]
     found = [v for v in named if _cache_like(v)]
     # a cache class of the model's own code (not one it imports) is its cache, with any API
-    found += [v for v in named if _cache_like(v, ()) and v.__module__ == type(model).__module__]
+    # (a dict subclass among them: fairseq's incremental_state, keyed by the model itself)
+    found += [
+        v
+        for v in named
+        if _cache_like(v, (), mapping=True) and v.__module__ == type(model).__module__
+    ]
     return found[0] if found else None
 
 
@@ -457,6 +466,13 @@ def _not_our_cache(drive: _Driver, exc: BaseException) -> None:
     it does not have: the model expects a cache of another interface, which is no mistake
     of the model's."""
     ours = drive._cache
+    if isinstance(ours, KVCache) and _inside(ours, exc):
+        raise AttnScopeError(
+            f"--decode cache: expected the model to use a cache with get/update (the book's "
+            f"KVCache; it names no cache class of its own), got a model that uses it another "
+            f"way: {_raised(exc)}: check it with --decode none, or give it its cache class "
+            "in its module"
+        ) from None
     if isinstance(ours, KVCache) and isinstance(exc, AttributeError) and exc.obj is ours:
         raise AttnScopeError(
             f"--decode cache: expected the model to use a cache with get/update (the book's "
@@ -464,6 +480,18 @@ def _not_our_cache(drive: _Driver, exc: BaseException) -> None:
             f"cache.{exc.name} ({_raised_at(exc) or 'in its forward'}): check it with "
             "--decode none, or give it its cache class in its module"
         ) from None
+
+
+def _inside(ours: KVCache, exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside one of the stand-in cache's own methods (indexed by
+    a key it does not have, a layer index out of range, ...): the model's cache has another
+    interface, which is no mistake of the model's."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_next is None:
+            return tb.tb_frame.f_locals.get("self") is ours
+        tb = tb.tb_next
+    return False
 
 
 def check_decoding(
@@ -532,10 +560,10 @@ def check_decoding(
                 got, want = taps.seen.get(path), reference.get(path)
                 if got is None or want is None or "out" not in got:
                     continue
-                if close(got["out"][:, -1:].double(), want["out"][:, pos : pos + 1].double()):
+                if close(*_new_token(got["out"], want["out"], pos, ids.shape[1])):
                     continue
                 evidence = _Evidence(model, layers, protocol, ids, path, t)
-                code, why, where = _name(got, want, pos, t, i == 0, evidence)
+                code, why, where = _name(got, want, pos, t, i == 0, evidence, ids.shape[1])
                 return Decode(
                     False,
                     STEPS,
@@ -805,8 +833,32 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
     )
 
 
+def _new_token(
+    step: torch.Tensor, full: torch.Tensor, pos: int, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's tensor for the step's last token and the full pass's for token ``pos``,
+    along the axis that runs over the tokens: the one ``total`` long in the full pass and
+    shorter in the step, every other axis alike (tokens first, ``(T, B, d)``, as fairseq
+    and ChatGLM run their layers, or batch first); the second axis where none is."""
+    axis = 1
+    if step.dim() == full.dim() and step.dim() >= 2:
+        for a in range(step.dim()):
+            others = all(step.shape[i] == full.shape[i] for i in range(step.dim()) if i != a)
+            if full.shape[a] == total and step.shape[a] < total and others:
+                axis = a
+                break
+    n = step.shape[axis]
+    return step.narrow(axis, n - 1, 1).double(), full.narrow(axis, pos, 1).double()
+
+
 def _name(
-    got: dict, want: dict, pos: int, step: int, first_layer: bool, evidence: _Evidence
+    got: dict,
+    want: dict,
+    pos: int,
+    step: int,
+    first_layer: bool,
+    evidence: _Evidence,
+    total: int,
 ) -> tuple[str, str, str | None]:
     """The mistake the evidence at the first diverging layer shows, a sentence, and the
     line to look at."""
@@ -814,9 +866,7 @@ def _name(
     w_args, w_kwargs = want["args"]
     h_got, h_want = _hidden(g_args, g_kwargs), _hidden(w_args, w_kwargs)
     same_input = (
-        h_got is not None
-        and h_want is not None
-        and close(h_got[:, -1:].double(), h_want[:, pos : pos + 1].double())
+        h_got is not None and h_want is not None and close(*_new_token(h_got, h_want, pos, total))
     )
     if first_layer and not same_input:
         return (

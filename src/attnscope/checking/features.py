@@ -209,9 +209,32 @@ class Features:
                     self.s.cache = (
                         "a KV cache its forward requires (keys and values written into a "
                         f"tensor not made from the input, and the scores read {shape[1]} keys "
-                        f"for {shape[0]} queries)",
+                        f"for {shape[0]} queries{self._hidden_slots(core, shape)}; reading "
+                        "only the slots it wrote as the keys is not modelled yet)",
                         op.location,
                     )
+
+    def _hidden_slots(self, core: Core, shape: tuple[int, int]) -> str:
+        """How many of the keys read no query sees (every weight on them zero after the
+        softmax: slots of a static cache not written, hidden by the mask), as a clause;
+        empty where the weights are not read (a fused call) or some such key is seen."""
+        if core.score is None:
+            return ""
+        after = self.g.descendants(core.score.index)
+        soft = next(
+            (self.ops[i] for i in sorted(after) if self.ops[i].name in _SOFTMAX_CALLS), None
+        )
+        w = soft.output if soft is not None else None
+        if not isinstance(w, torch.Tensor) or w.dim() < 2 or w.shape[-1] != shape[1]:
+            return ""
+        seen = w.detach().abs().reshape(-1, shape[1]).amax(0) > 0
+        hidden = int((~seen).sum())
+        if hidden == 0:
+            return ""
+        return (
+            f": {shape[1] - hidden} it attends to and {hidden} slots that no query "
+            "sees (weight 0: unwritten slots of a static cache, hidden by the mask)"
+        )
 
     def _one_role_shifted(self) -> None:
         """One projection reading another's input plus a tensor not made from the input (a

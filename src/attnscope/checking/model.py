@@ -224,7 +224,12 @@ def check_model(
     if vocab is None and width is not None:
         probe_host.tokens_first = _tokens_first(probe_host)
     x = probe_host.input(BATCH, n, gen)
-    rec = Recorder({id(x): "input:0"}, model)
+    # parameters named, so that each layer is the innermost module holding its projections
+    # as well as its products (not a core module handed queries, keys and values made by
+    # its parent: ChatGLM's core_attention)
+    leaves = {id(p): f"param:{n}" for n, p in model.named_parameters()}
+    leaves[id(x)] = "input:0"
+    rec = Recorder(leaves, model)
     with rec:
         out, err = probe_host.call(x)
     if err is not None:
