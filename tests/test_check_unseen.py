@@ -65,7 +65,7 @@ _FEATURE_WORDS = {
     "per_dim_scale": "factor",
     "attention_sink": "attention sink",
     "retention": "multiplying the scores",
-    "cross_covariance": "normalised",
+    "cross_covariance": "XCiT",
     "sub_layernorm": "norm",
     "forget_gate_bias": "bias made from the input",
     "random_feature_kernel": "linear attention",

@@ -309,10 +309,10 @@ class _Reader:
             )
         ):  # what reads as attention is the queries times k'^T v (or its normaliser)
             raise Unsupported(
-                "not supported yet: linear attention (two tensors made from the input "
-                "multiplied over the tokens first, so no token-by-token weights are ever "
-                "made: a kernel or random-feature approximation of the softmax, as "
-                f"Performer's?) at {linear.location}"
+                "not supported yet: two tensors made from the input multiplied over the "
+                "tokens, so no token-by-token weights are made (linear attention's k'^T v, "
+                "a kernel or random-feature approximation of the softmax as Performer's; or "
+                f"features attending to features, as XCiT's) at {linear.location}"
             )
         if not cores:
             raise AttnScopeError(
@@ -323,8 +323,9 @@ class _Reader:
         return self._assemble(cores, projs, after_context)
 
     def _keys_times_values(self) -> Op | None:
-        """A product of two tensors made from the input that sums over the tokens axis and
-        keeps no token axis (``k'^T v``, ``(..., d, e)``): linear attention's first step."""
+        """A product of two tensors made from the input, each as large as the tokens make
+        it, whose output is not (``k'^T v``, ``(..., d, e)``: its size does not grow with
+        the tokens, which a product that keeps or folds a tokens axis does)."""
         first = next((op for op in self.ops if op.leaf == "input:0"), None)
         if first is None or first.output.dim() != 3:
             return None
@@ -332,14 +333,9 @@ class _Reader:
         for op in self.ops:
             if op.name not in _PRODUCT or len(self.g.tainted_args(op)) < 2:
                 continue
-            shapes = [self.ops[a].output.shape for a in self.g.tainted_args(op)]
-            out = op.output.shape
-            if (
-                out.numel() > 1
-                and len(out) >= 2
-                and n not in out[-2:]
-                and all(n in sh[-2:] for sh in shapes)
-            ):
+            sizes = [self.ops[a].output.numel() for a in self.g.tainted_args(op)]
+            out = op.output
+            if out.dim() >= 2 and out.numel() % n and not any(size % n for size in sizes):
                 return op
         return None
 
