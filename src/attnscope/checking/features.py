@@ -30,13 +30,14 @@ _UNIT_NORMS = {"normalize", "norm", "vector_norm", "linalg_vector_norm"}
 _NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt", "normalize", "norm", "vector_norm"}
 MASKING_OPS = {"masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub"}
 MASKING_OPS |= {"__sub__", "sub_"}
-_ADDS = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__", "sub_"}
 MASKING_OPS |= {"mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
+#: terms added to (or taken from) the scores
+_ADDS = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__", "sub_"}
 
 
-#: normalisations (a call, or an RMS norm's rsqrt written out): on the context before the
-#: output projection, a step the reference does not have (heads averaged is a mean alone)
-_NORMS = {"layer_norm", "rms_norm", "group_norm", "normalize", "rsqrt", "var", "std", "var_mean"}
+#: normalisations (a call, or a norm written out): on the context before the output
+#: projection, a step the reference does not have (heads averaged is a mean alone)
+_NORMS = _NORM_CALLS | {"var", "std", "var_mean"}
 #: elementwise products that gate a tensor
 _GATES = {"mul", "__mul__", "__rmul__", "mul_", "multiply"}
 #: calls that write into a tensor in place (a KV cache's update)
