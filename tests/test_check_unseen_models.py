@@ -12,12 +12,7 @@ from attnscope import ModelReport, check
 
 #: the first run left these open: each is a strict expected failure, so that the day it is
 #: fixed the test says so and leaves the list
-_OPEN: dict[str, str | tuple[str, str]] = {
-    "17_gemma_pytorch_static_kv_index_copy_ok": "refused (exit 2, precise): rotary keys written "
-    "with index_copy_ into a static cache and read over every slot, the unwritten ones hidden "
-    "by the mask; the rotation is not read through the cache (keys = written slots + hidden "
-    "padding is not modelled yet)",
-}
+_OPEN: dict[str, str | tuple[str, str]] = {}
 
 
 def _cases():

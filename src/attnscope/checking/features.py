@@ -64,6 +64,20 @@ class Unsupported(AttnScopeError):
     """The layer holds something the checker does not model yet: no verdict is given."""
 
 
+def seen_keys(g: Graph, core: Core) -> T | None:
+    """Which keys some query sees: a weight above zero after the softmax, in any row of any
+    head or sequence (``(keys,)`` bool); None where the weights are not read (a fused
+    call). The rest are slots no query sees: a static cache's unwritten slots."""
+    if core.score is None:
+        return None
+    after = g.descendants(core.score.index)
+    soft = next((g.ops[i] for i in sorted(after) if g.ops[i].name in _SOFTMAX_CALLS), None)
+    w = soft.output if soft is not None else None
+    if not isinstance(w, torch.Tensor) or w.dim() < 2:
+        return None
+    return w.detach().abs().reshape(-1, w.shape[-1]).amax(0) > 0
+
+
 def mask_shape(hidden: T) -> tuple[str, int] | None:
     """What a hidden-cells pattern is, on its last two axes: ``("causal", d)`` when it hides
     keys ``j - i >= d``, ``("anti-causal", d)`` when it hides ``j - i <= d``, ``("window",
@@ -210,28 +224,19 @@ class Features:
                     self.s.cache = (
                         "a KV cache its forward requires (keys and values written into a "
                         f"tensor not made from the input, and the scores read {shape[1]} keys "
-                        f"for {shape[0]} queries{self._hidden_slots(core, shape)}; reading "
-                        "only the slots it wrote as the keys is not modelled yet)",
+                        f"for {shape[0]} queries{self._hidden_slots(core, shape)}; no "
+                        "rotation and norm read on the slots some query sees explain them)",
                         op.location,
                     )
 
     def _hidden_slots(self, core: Core, shape: tuple[int, int]) -> str:
-        """How many of the keys read no query sees (every weight on them zero after the
-        softmax: slots of a static cache not written, hidden by the mask), as a clause;
-        empty where the weights are not read (a fused call) or some such key is seen."""
-        if core.score is None:
+        """How many of the keys read no query sees (slots of a static cache not written,
+        hidden by the mask: see :func:`seen_keys`), as a clause; empty where the weights
+        are not read (a fused call) or every key is seen."""
+        seen = seen_keys(self.g, core)
+        if seen is None or seen.numel() != shape[1] or bool(seen.all()):
             return ""
-        after = self.g.descendants(core.score.index)
-        soft = next(
-            (self.ops[i] for i in sorted(after) if self.ops[i].name in _SOFTMAX_CALLS), None
-        )
-        w = soft.output if soft is not None else None
-        if not isinstance(w, torch.Tensor) or w.dim() < 2 or w.shape[-1] != shape[1]:
-            return ""
-        seen = w.detach().abs().reshape(-1, shape[1]).amax(0) > 0
         hidden = int((~seen).sum())
-        if hidden == 0:
-            return ""
         return (
             f": {shape[1] - hidden} it attends to and {hidden} slots that no query "
             "sees (weight 0: unwritten slots of a static cache, hidden by the mask)"

@@ -38,7 +38,7 @@ from .alibi import Alibi, is_symmetric, read_slopes
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
 from .dataflow import LAYOUT_OPS, Graph
-from .features import Unsupported, mask_shape
+from .features import Unsupported, mask_shape, seen_keys
 from .judge import Call, Judge
 from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
 from .record import Op, Recorder, short_path, tensors_in
@@ -312,6 +312,18 @@ def _whole(rec: Recorder, graph: Graph, node: int, numel: int) -> torch.Tensor:
         i = parents[0]
     found = rec.ops[i].output
     return (found if found.numel() == numel else rec.ops[node].output).detach()
+
+
+def _written_slots(keys: torch.Tensor, seen: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """Keys read back from a static cache (``(..., slots, ...)``), cut to the slots some
+    query sees where those are as many as the tokens (the rest, unwritten, hidden by the
+    mask); as they are otherwise."""
+    if seen is None or int(seen.sum()) != tokens:
+        return keys
+    axes = [i for i, size in enumerate(keys.shape) if size == seen.numel()]
+    if len(axes) != 1:
+        return keys
+    return keys.index_select(axes[0], seen.nonzero().flatten())
 
 
 class _Exited(_Captured):
@@ -1965,6 +1977,9 @@ class ModuleProbe:
                     gains = gains_on_path(call.record.ops, graph, path, widths)
                 turned = _rotations_on_path(path, ref, b, hd) if word in st.qk_norm else []
                 user = _whole(call.record, graph, node, ref.numel()).to(torch.float64)
+                if role == "k" and user.numel() != ref.numel():
+                    # keys read back from a static cache: the slots it wrote, no others
+                    user = _written_slots(user, seen_keys(graph, core), ref.shape[2])
                 refs = [ref]
                 if ref.shape[1] != spec.num_heads:  # keys repeated for the query heads first
                     g = spec.num_heads // ref.shape[1]
