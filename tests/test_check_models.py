@@ -204,6 +204,95 @@ def test_hugging_face_models_from_configs(config, model, kv):
     assert all(r.structure["kv_heads"] == kv for _, r in report.layers)
 
 
+def _hf_model(config: str, model: str, **sizes):
+    base = dict(vocab_size=100, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
+    base |= dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=None)
+    cfg = getattr(transformers, config)(**(base | sizes))
+
+    def make():
+        torch.manual_seed(0)
+        return getattr(transformers, model)(cfg).eval()
+
+    return make
+
+
+def test_a_residual_the_model_hands_its_layer_is_not_the_layers_output():
+    """BLOOM's attention takes the block's ``residual`` and returns ``dense(context) +
+    residual``: read from what it computes, the residual is handed as zeros (it had been
+    output/other on every layer)."""
+    report = check(_hf_model("BloomConfig", "BloomModel", n_head=4))
+    assert report.ok, report.to_text(color=False)
+    assert all(r.structure["bias"] == "alibi" for _, r in report.layers)
+    assert any("residual" in n for n in report.layers[0][1].notes)
+
+
+def test_a_full_layer_that_holds_the_models_window_and_says_it_is_not_sliding_passes():
+    """EXAONE 4 keeps ``sliding_window`` on every layer and ``is_sliding`` False on its
+    full ones: the window is not theirs (a false alarm, window_missing)."""
+    make = _hf_model(
+        "Exaone4Config",
+        "Exaone4Model",
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    report = check(make)
+    assert report.ok, report.to_text(color=False)
+    windows = [r.structure["window"] for _, r in report.layers]
+    assert windows == [3, None]
+
+
+def _weights_not_normalised(self, x):
+    """The book's MultiHeadAttention forward with its softmax dropped: masked scores, scaled,
+    multiply the values as they are."""
+    b, n, _ = x.shape
+    q, k, v = self.W_query(x), self.W_key(x), self.W_value(x)
+    q, k, v = (t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+    s = (q @ k.transpose(2, 3)).masked_fill(self.mask.bool()[:n, :n], 0.0)
+    w = s * k.shape[-1] ** -0.5  # (a product: nothing on the way normalises)
+    return self.out_proj((w @ v).transpose(1, 2).reshape(b, n, self.d_out))
+
+
+def test_a_layer_that_dropped_its_softmax_is_still_found_beside_its_siblings():
+    """Nothing normalises its scores, but a layer of its class does: an attention layer
+    with a slip, not a state-space mixer."""
+
+    def make():
+        model = _book_gpt()
+        att = model.trf_blocks[1].att
+        att.forward = types.MethodType(_weights_not_normalised, att)
+        return model
+
+    report = check(make, decode="none")
+    assert [p for p, _ in report.layers] == [f"trf_blocks.{i}.att" for i in range(3)]
+    failure = report.first_failure
+    assert (report.first_layer, failure.stage.value, failure.mistake) == (
+        "trf_blocks.1.att",
+        "weights",
+        "not_softmax",
+    ), report.to_text(color=False)
+
+
+def test_a_state_space_mixer_beside_attention_is_not_taken_for_attention():
+    """Jamba's Mamba layers compute C B^T times decays, a token-mixing product with no
+    softmax: not attention layers (they had been found, then refused)."""
+    make = _hf_model(
+        "JambaConfig",
+        "JambaModel",
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        use_mamba_kernels=False,
+    )
+    report = check(make)
+    assert [p for p, _ in report.layers] == ["layers.1.self_attn", "layers.3.self_attn"]
+    assert report.ok, report.to_text(color=False)
+
+
 @pytest.mark.parametrize("name", ["Bert", "DistilBert"])
 def test_hugging_face_encoders_are_checked_as_bidirectional(name):
     if name == "Bert":

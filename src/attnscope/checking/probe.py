@@ -389,6 +389,9 @@ class _Entry:
         #: the other float tensors the wrapper hands the layer, by argument (a mask, a
         #: position bias), as handed on the discovery run
         self.extras: dict = {}
+        #: arguments handed as zeros: a residual the layer adds to its own output (BLOOM's
+        #: ``residual``), so that what it returns is the attention's output
+        self.zeroed: set = set()
         self._entered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -411,6 +414,9 @@ class _Entry:
         and ``change`` (``(argument, fn)``) applied to another of them."""
         args = tuple(sub if i in self.positions else a for i, a in enumerate(args))
         kwargs = {k: sub if k in self.positions else v for k, v in kwargs.items()}
+        if self.zeroed:
+            args = tuple(torch.zeros_like(a) if i in self.zeroed else a for i, a in enumerate(args))
+            kwargs = {k: torch.zeros_like(v) if k in self.zeroed else v for k, v in kwargs.items()}
         if change is not None:
             key, fn = change
             args = tuple(fn(a) if i == key else a for i, a in enumerate(args))
@@ -855,12 +861,35 @@ class ModuleProbe:
             and a.dim() >= 2
         }
         x = torch.randn(BATCH, tokens, value.shape[-1], generator=self.discovery_gen)
+        self._handed_residuals(x, value.shape)
         rec = self._recorder(x)
         with rec:
             out, err = self._invoke_layer(x)
         if err is not None:
             raise AttnScopeError(f"{self.tgt.text}: the layer raised where it sits: {err}")
         return read_structure(rec, self.module)
+
+    def _handed_residuals(self, x: torch.Tensor, shape: torch.Size) -> None:
+        """Arguments the model hands a layer, shaped as its hidden states, that the layer adds
+        to its own output as they are (BLOOM's attention takes the ``residual`` and returns
+        ``dense(context) + residual``): read from what it computes (one more added to that
+        argument moves every output by exactly one), and handed as zeros from then on."""
+        e = self.entry
+        base, err = self._invoke_layer(x)
+        if err is not None or base is None:
+            return
+        for key, t in e.extras.items():
+            if t.shape != shape:
+                continue
+            moved, err = self._invoke_layer(x, change=(key, lambda a: a + 1.0))
+            if err is not None or moved is None or moved.shape != base.shape:
+                continue
+            if torch.allclose(moved - base, torch.ones_like(base), atol=1e-4):
+                e.zeroed.add(key)
+                self.notes.append(
+                    f"argument {key!r} is a residual the model hands the layer, which adds it "
+                    "to its output: it is handed zeros, so the output checked is the attention's"
+                )
 
     def _entry(
         self, st: Structure, rec: Recorder, x: torch.Tensor, other: torch.Tensor | None = None
@@ -1753,6 +1782,8 @@ class ModuleProbe:
         m = self.entry.module if self.entry is not None else self.module
         if "sliding_window" in vars(m) and m.sliding_window is None:
             return None  # the layer says it has none (a full-attention layer of its model)
+        if getattr(m, "is_sliding", None) is False:
+            return None  # the layer says it is not a sliding one (EXAONE 4's full layers)
         for holder in self._declaring(m):
             if getattr(holder, "use_sliding_window", True) is False:
                 continue  # declared, and switched off (Qwen 2 configs)

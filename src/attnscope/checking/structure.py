@@ -64,6 +64,9 @@ __all__ = [
 
 T = torch.Tensor
 
+#: calls that normalise scores into weights (or try to: the mistakes' stand-ins too)
+_NORMALISING = {"softmax", "_softmax", "softmax_", "log_softmax", "exp", "exp_", "exp2", "sigmoid"}
+_NORMALISING |= {"div", "div_", "__truediv__", "true_divide", "normalize", "relu", "relu_"}
 _PRODUCT = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "einsum", "tensordot"}
 #: products with a term added (``baddbmm(added, a, b)``): their parameter names, in order
 _ADDED_PRODUCT = {"baddbmm": ["input", "batch1", "batch2"], "addmm": ["input", "mat1", "mat2"]}
@@ -266,6 +269,7 @@ class _Reader:
         ``scanned``: what :meth:`_scan` returned, where it already ran."""
         cores, projs, _, _ = scanned or self._scan()
         found: list[tuple[int, str]] = []
+        unnormalised: set[str] = set()
         for core in cores:
             roles = {
                 r: self._projections_above(n, projs)
@@ -274,7 +278,10 @@ class _Reader:
             }
             call = self._layer_call([core], roles)
             op = core.fused or core.score
-            found.append((op.index if op is not None else 0, "" if call is None else call.path))
+            path = "" if call is None else call.path
+            found.append((op.index if op is not None else 0, path))
+            if not self._normalised(core):
+                unnormalised.add(path)
         for op in self.ops:
             if op.name != "multi_head_attention_forward" or op.position != 0:
                 continue
@@ -287,7 +294,32 @@ class _Reader:
         for _, path in sorted(found):
             if path not in paths:
                 paths.append(path)
-        return paths
+        # a token-mixing product with nothing normalising it between scores and context (a
+        # state-space mixer's C B^T times its decays, Mamba 2's) is not an attention layer,
+        # unless a layer of its class normalises (a slip that dropped the softmax)
+        kinds = {type(self._module_at(p)) for p in paths if p and p not in unnormalised}
+        return [
+            p for p in paths if p not in unnormalised or not p or type(self._module_at(p)) in kinds
+        ]
+
+    def _module_at(self, path: str) -> nn.Module | None:
+        try:
+            return self.root.get_submodule(path)
+        except AttributeError:
+            return None
+
+    def _normalised(self, core: Core) -> bool:
+        """Whether anything between the scores and the context normalises them: a softmax
+        (a call, or exp and a division), a sigmoid, a division; a fused call does."""
+        if core.score is None or core.context is None:
+            return True
+        reach = {core.score.index}
+        for op in self.ops[core.score.index + 1 : core.context.index]:
+            if any(a in reach for a in op.args):
+                reach.add(op.index)
+                if op.name in _NORMALISING:
+                    return True
+        return False
 
     def read(self) -> Structure:
         scanned = self._scan()
