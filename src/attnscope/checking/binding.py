@@ -11,6 +11,7 @@ the user names the parameters, in any layout.
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -270,7 +271,29 @@ def _named_swapped(st: Structure) -> bool:
     """Whether the weight on the query side is named for keys and the one on the key side
     for queries (a tie the computation leaves open; names break it)."""
     hints = {r: {role_hint(n) for p in st.roles[r] for n in p.params} for r in ("q", "k")}
-    return hints["q"] == {"k"} and hints["k"] == {"q"}
+    return (hints["q"] == {"k"} and hints["k"] == {"q"}) or _listed_swapped(st)
+
+
+def _listed_swapped(st: Structure) -> bool:
+    """Projections with no names but their place in one list (the Annotated Transformer's
+    ``clones(nn.Linear, 4)`` zipped with ``(query, key, value)``): the values' weight third,
+    the query side's second, the key side's first and called first. Place and call order
+    agree that the list is ``[q, k, v]`` and the scores read it the other way round."""
+    place = {}
+    for r in ("q", "k", "v"):
+        ps = st.roles[r]
+        if len(ps) != 1:
+            return False
+        found = {m.groups() for n in ps[0].params if (m := re.fullmatch(r"(.*)\.(\d+)\.\w+", n))}
+        if len(found) != 1 or len(ps[0].params) > 2:
+            return False
+        prefix, index = found.pop()
+        place[r] = (prefix, int(index))
+    if len({prefix for prefix, _ in place.values()}) != 1:
+        return False
+    order = {r: i for r, (_, i) in place.items()}
+    called_first = st.roles["k"][0].op.index < st.roles["q"][0].op.index
+    return order == {"k": 0, "q": 1, "v": 2} and called_first
 
 
 def _doubled(st: Structure) -> list[tuple[str, str]]:
