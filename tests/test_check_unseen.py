@@ -21,6 +21,15 @@ _OPEN = {
         "inferred",
         "its causal mask is built only in training: in eval nothing it computes says decoder",
     ),
+    # round 13's first run (commit 2f6dac3)
+    "r13/b01_umar_llama_freqs_last_row_broadcast": "every token rotated by the same angles "
+    "(the table's last row for all): its scores equal an unrotated layer's, so the output "
+    "cannot show it, and a rotation that does not move with the position is read as none",
+    "r13/b15_qwen1_causal_check_after_permute": (
+        "inferred",
+        "its causal mask is built only when the tokens equal the heads: at the probe's length "
+        "nothing it computes says decoder",
+    ),
     "r12/b28_lag_llama_is_causal_tied_to_cache": (
         "inferred",
         "is_causal is False without a cache: nothing it computes says decoder (only its "
@@ -69,6 +78,11 @@ _FEATURE_WORDS = {
     "sub_layernorm": "norm",
     "forget_gate_bias": "bias made from the input",
     "random_feature_kernel": "linear attention",
+    "additive_attention": "additive attention",
+    "grid_attention": "mask of another pattern",
+    "custom_mask_pattern": "mask of another pattern",
+    "relu_squared_gau": "gate",
+    "depthwise_conv_qkv": "convolution over the tokens",
 }
 
 

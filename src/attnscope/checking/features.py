@@ -38,6 +38,8 @@ _ADDS = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__", "su
 #: normalisations (a call, or a norm written out): on the context before the output
 #: projection, a step the reference does not have (heads averaged is a mean alone)
 _NORMS = _NORM_CALLS | {"var", "std", "var_mean"}
+#: convolutions (over the tokens, where wider than one)
+_CONVS = {"conv1d", "conv2d", "conv3d"}
 #: elementwise products that gate a tensor
 _GATES = {"mul", "__mul__", "__rmul__", "mul_", "multiply"}
 #: calls that write into a tensor in place (a KV cache's update)
@@ -199,6 +201,7 @@ class Features:
             self._joined_rows(core)
             self._score_path(core)
             self._gated(core)
+            self._convolved(core)
 
     def _cached(self, core: Core) -> None:
         """Keys or values written in place into a tensor not made from the input (a buffer,
@@ -370,6 +373,29 @@ class Features:
                     self._unmodelled(
                         "a factor that varies by feature on the context before the output "
                         "projection (a LayerScale inside the layer?)",
+                        op.location,
+                    )
+                    return
+
+    def _convolved(self, core: Core) -> None:
+        """A convolution wider than one token on the way to the queries, keys or values,
+        inside the layer (Primer's multi-dconv-head attention: a depthwise ``Conv1d`` over
+        the sequence after each projection): each is then a mix of several tokens, which
+        the reference's per-token projections are not."""
+        start = self.s.call.start if self.s.call is not None else 0
+        for node in (core.q_node, core.k_node, core.v_node):
+            if node is None:
+                continue
+            for i in sorted(self.g.ancestors(node)):
+                op = self.ops[i]
+                if i < start or op.name not in _CONVS or len(op.args) < 2:
+                    continue
+                w = self.ops[op.args[1]].output
+                if w.dim() >= 3 and any(k > 1 for k in w.shape[2:]):
+                    self._unmodelled(
+                        f"a convolution over the tokens ({op.name}, kernel "
+                        f"{tuple(w.shape[2:])}) on the way to the queries, keys or values "
+                        "(Primer's multi-dconv-head attention?)",
                         op.location,
                     )
                     return

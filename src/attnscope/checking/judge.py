@@ -642,6 +642,13 @@ class Judge:
             return Failure(stage, code, msg, where), None
         final = order[-1]
         where = found[final].location if found.get(final) else None
+        if final is Stage.OUTPUT and self._dropped(found[final].op, call):
+            # made, and then nothing reads it: what is returned never went through it
+            msg = (
+                f"output: {MISTAKES['missing_out_proj'].meaning}: it is computed at {where} "
+                "and then dropped; what is returned is made without it"
+            )
+            return Failure(final, "missing_out_proj", msg, where), None
         msg = (
             f"{final.value}: every stage matches the reference, but the tensor returned is not "
             f"the {final.value} computed"
@@ -649,6 +656,14 @@ class Judge:
             + ": something is done to it before it is returned"
         )
         return Failure(final, "other", msg, where), None
+
+    @staticmethod
+    def _dropped(op: Op, call: Call) -> bool:
+        """Whether no op of the call's record read ``op``'s output after it was made."""
+        rec = call.record
+        if rec is None or op.index < 0 or op.index >= len(rec.ops) or rec.ops[op.index] is not op:
+            return False
+        return not any(op.index in later.args for later in rec.ops[op.index + 1 :])
 
     def _substitute_fused_inputs(self, call: Call, refs) -> tuple[Stage, Op] | None:
         """Queries, keys and values as a fused attention call received them, swapped in

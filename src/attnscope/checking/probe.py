@@ -1560,8 +1560,9 @@ class ModuleProbe:
         """The reference's ALiBi when the computation adds a position bias to the scores,
         with the slopes it used as read from that bias."""
         st = self.structure
-        if st is not None and st.bias is None and self.kind.causal:
-            handed = self._handed_alibi(heads) or self._held_alibi(heads)
+        if st is not None and st.bias is None:
+            handed = self._handed_alibi(heads) if self.kind.causal else None
+            handed = handed or self._held_alibi(heads)
             if handed is not None:
                 return handed
         if st is None or st.bias is None:
@@ -1637,6 +1638,47 @@ class ModuleProbe:
             alibi = Alibi(heads, False, want, False)
             self._cache["held"] = alibi
             return alibi
+        return self._built_alibi(heads)
+
+    def _built_alibi(self, heads: int) -> Alibi | None:
+        """An ALiBi matrix ``(..., H, S, S)`` the target or a module on the way to the layer
+        keeps (a buffer, or a tensor attribute: MosaicBERT's encoder builds one for its
+        layers) that the layer's output does not depend on: built for the layers and never
+        handed them (``bias_missing``)."""
+        path = self.entry.path if self.entry is not None else ""
+        holders = [self.module]
+        parts = path.split(".") if path else []
+        for i in range(1, len(parts)):
+            try:
+                holders.append(self.module.get_submodule(".".join(parts[:i])))
+            except AttributeError:
+                break
+        seen: set[int] = set()
+        for holder in holders:
+            found = [*holder.named_buffers(recurse=False), *vars(holder).items()]
+            for name, t in found:
+                if not isinstance(t, torch.Tensor) or id(t) in seen or not t.is_floating_point():
+                    continue
+                seen.add(id(t))
+                if t.dim() < 3 or t.shape[-3] != heads or t.shape[-1] != t.shape[-2]:
+                    continue
+                n = min(t.shape[-1], 16)
+                if n < 3:
+                    continue
+                e = t.detach().reshape(-1, heads, *t.shape[-2:])[:1, :, :n, :n].double()
+                slopes = read_slopes(e, tuple(e.shape), heads)
+                upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+                if slopes is None or not _alibi_like(e.masked_fill(upper, -torch.inf), slopes):
+                    continue
+                if self._reads_tensor(t):
+                    continue
+                self.notes.append(
+                    f"{name!r} is an ALiBi bias built for the layers that its output does not "
+                    "depend on"
+                )
+                alibi = Alibi(heads, False, slopes, is_symmetric(e, tuple(e.shape)))
+                self._cache["held"] = alibi
+                return alibi
         return None
 
     def _moved(self, out: torch.Tensor | None, err) -> bool:
@@ -2149,8 +2191,35 @@ class ModuleProbe:
         judge.keys_named_first = self.structure is not None and keys_named_first(self.structure)
         report = judge.run(options)
         report.structure = self._structure_report(judge.spec or options[0][1])
-        report.layer = self.entry.path if self.entry is not None else None
+        report.layer = self._layer_path()
         return report
+
+    def _layer_path(self) -> str | None:
+        """The layer's dotted path: the module the probe enters, or the module that owns every
+        weight the attention uses (the smallest holding them all, above a single projection)
+        where the wrapper calls that one by ``.forward()``, which no record sees
+        (pytorch-llama's blocks, BERT4Rec's sublayer around it)."""
+        if self.entry is None:
+            return None
+        st, path = self.structure, self.entry.path
+        if st is None or self.host is not None:
+            return path
+        names = [n for ps in st.roles.values() for p in ps for n in p.params]
+        names += list(st.out.params) if st.out is not None else []
+        owners = {n.rsplit(".", 1)[0] for n in names if "." in n}
+        if not owners:
+            return path
+        common = os.path.commonprefix([o.split(".") for o in owners])
+        if ".".join(common) in owners:  # one projection holds them all: its parent
+            common = common[:-1]
+        while common and isinstance(
+            self.module.get_submodule(".".join(common)), (nn.ModuleList, nn.ModuleDict)
+        ):
+            common = common[:-1]  # a list of projections is held by the layer
+        owner = ".".join(common)
+        if not owner or owner == path or path.startswith(owner + "."):
+            return path  # the entry itself, or a module inside the owner
+        return owner
 
 
 @contextlib.contextmanager

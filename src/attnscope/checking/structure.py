@@ -64,6 +64,8 @@ __all__ = [
 
 T = torch.Tensor
 
+#: pairwise sums: scores made of them are additive attention's
+_ADDITIVE = {"add", "__add__", "__radd__", "add_"}
 #: calls that normalise scores into weights (or try to: the mistakes' stand-ins too)
 _NORMALISING = {"softmax", "_softmax", "softmax_", "log_softmax", "exp", "exp_", "exp2", "sigmoid"}
 _NORMALISING |= {"div", "div_", "__truediv__", "true_divide", "normalize", "relu", "relu_"}
@@ -330,6 +332,15 @@ class _Reader:
                     "holds several attention layers, one after the other (a whole model)"
                 )
             return self._from_mha(mha, after_context)
+        added = next(
+            (c.score for c in cores if c.score is not None and c.score.name in _ADDITIVE), None
+        )
+        if added is not None:  # a per-query term plus a per-key term, broadcast: no product
+            raise Unsupported(
+                "not supported yet: additive attention (scores made by adding a term of each "
+                "query to a term of each key, not by a dot product: GAT's or Bahdanau's) at "
+                f"{added.location}"
+            )
         linear = self._keys_times_values()
         if linear is not None and (
             not cores

@@ -76,7 +76,9 @@ class DecisionTransformer(nn.Module):
     """min-decision-transformer trunk on already-embedded (return, state, action) tokens,
     stacked as r_0, s_0, a_0, r_1, ...: adds the timestep embedding of each triple."""
 
-    def __init__(self, n_blocks=1, h_dim=64, context_len=64, n_heads=4, drop_p=0.1, max_timestep=64):
+    def __init__(
+        self, n_blocks=1, h_dim=64, context_len=64, n_heads=4, drop_p=0.1, max_timestep=64
+    ):
         super().__init__()
         self.h_dim = h_dim
         input_seq_len = 3 * context_len

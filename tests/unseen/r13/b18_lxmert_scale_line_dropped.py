@@ -88,7 +88,9 @@ class LxmertCrossAttentionLayer(nn.Module):
         self.output = LxmertAttentionOutput(config)
 
     def forward(self, input_tensor, ctx_tensor, ctx_att_mask=None, output_attentions=False):
-        output = self.att(input_tensor, ctx_tensor, ctx_att_mask, output_attentions=output_attentions)
+        output = self.att(
+            input_tensor, ctx_tensor, ctx_att_mask, output_attentions=output_attentions
+        )
         attention_output = self.output(output[0], input_tensor)
         return (attention_output, output[1]) if output_attentions else (attention_output,)
 

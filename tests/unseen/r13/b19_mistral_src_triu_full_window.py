@@ -41,7 +41,10 @@ def precompute_freqs_cis(dim, end, theta=10000.0):
 
 def _reshape_for_broadcast(freqs_cis, x):
     ndim = x.ndim
-    assert freqs_cis.shape == (x.shape[1], x.shape[-1]), (freqs_cis.shape, (x.shape[1], x.shape[-1]))
+    assert freqs_cis.shape == (x.shape[1], x.shape[-1]), (
+        freqs_cis.shape,
+        (x.shape[1], x.shape[-1]),
+    )
     shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
     return freqs_cis.view(*shape)
 
@@ -63,7 +66,7 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.repeats = self.n_heads // self.n_kv_heads
         self.sliding_window = self.args.sliding_window
-        self.scale = self.args.head_dim ** -0.5
+        self.scale = self.args.head_dim**-0.5
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)

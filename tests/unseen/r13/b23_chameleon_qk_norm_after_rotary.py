@@ -81,7 +81,9 @@ def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
     if n_rep == 1:
         return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -96,8 +98,12 @@ class ChameleonAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=False)
         self.q_norm = ChameleonLayerNorm((self.num_heads, self.head_dim))
         self.k_norm = ChameleonLayerNorm((self.num_key_value_heads, self.head_dim))
@@ -112,9 +118,15 @@ class ChameleonAttention(nn.Module):
         query_states = query_states.reshape(-1, self.num_heads, self.head_dim)
         key_states = key_states.reshape(-1, self.num_key_value_heads, self.head_dim)
 
-        query_states = query_states.reshape(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = key_states.reshape(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        value_states = value_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        query_states = query_states.reshape(bsz, q_len, self.num_heads, self.head_dim).transpose(
+            1, 2
+        )
+        key_states = key_states.reshape(
+            bsz, q_len, self.num_key_value_heads, self.head_dim
+        ).transpose(1, 2)
+        value_states = value_states.view(
+            bsz, q_len, self.num_key_value_heads, self.head_dim
+        ).transpose(1, 2)
 
         cos, sin = self.rotary_emb(value_states, position_ids)
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -124,7 +136,9 @@ class ChameleonAttention(nn.Module):
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
 
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(self.head_dim)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(
+            self.head_dim
+        )
         if attention_mask is not None:
             causal_mask = attention_mask[:, :, :, : key_states.shape[-2]]
             attn_weights = attn_weights + causal_mask
@@ -152,12 +166,16 @@ class ChameleonDecoderLayer(nn.Module):
         self.self_attn = ChameleonAttention(config, layer_idx)
         self.mlp = ChameleonMLP(config)
         self.input_layernorm = ChameleonRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = ChameleonRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = ChameleonRMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask, position_ids=position_ids)
+        hidden_states, _ = self.self_attn(
+            hidden_states, attention_mask=attention_mask, position_ids=position_ids
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
@@ -167,7 +185,9 @@ class ChameleonDecoderLayer(nn.Module):
 class ChameleonModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.layers = nn.ModuleList([ChameleonDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [ChameleonDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = ChameleonRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, inputs_embeds):
@@ -176,13 +196,18 @@ class ChameleonModel(nn.Module):
         position_ids = cache_position.unsqueeze(0).expand(bsz, -1)
         min_dtype = torch.finfo(inputs_embeds.dtype).min
         causal_mask = torch.full(
-            (seq_len, seq_len), fill_value=min_dtype, dtype=inputs_embeds.dtype, device=inputs_embeds.device
+            (seq_len, seq_len),
+            fill_value=min_dtype,
+            dtype=inputs_embeds.dtype,
+            device=inputs_embeds.device,
         )
         causal_mask = torch.triu(causal_mask, diagonal=1)
         causal_mask = causal_mask[None, None, :, :].expand(bsz, 1, -1, -1)
         hidden_states = inputs_embeds
         for decoder_layer in self.layers:
-            hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask, position_ids=position_ids)
+            hidden_states = decoder_layer(
+                hidden_states, attention_mask=causal_mask, position_ids=position_ids
+            )
         return self.norm(hidden_states)
 
 

@@ -107,7 +107,9 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
         self.num_attention_heads = config.num_attention_heads
         self._current_alibi_size = int(config.alibi_starting_size)
-        self.alibi = torch.zeros((1, self.num_attention_heads, self._current_alibi_size, self._current_alibi_size))
+        self.alibi = torch.zeros(
+            (1, self.num_attention_heads, self._current_alibi_size, self._current_alibi_size)
+        )
         self.rebuild_alibi_tensor(size=config.alibi_starting_size)
 
     def rebuild_alibi_tensor(self, size, device=None):
@@ -145,7 +147,9 @@ class BertEncoder(nn.Module):
         extended_attention_mask = (1.0 - extended_attention_mask) * -10000.0
         seqlen = hidden_states.shape[1]
         attn_bias = extended_attention_mask[:, :, :seqlen, :seqlen]
-        alibi_bias = self.alibi[:, :, :seqlen, :seqlen].to(device=hidden_states.device, dtype=hidden_states.dtype)
+        alibi_bias = self.alibi[:, :, :seqlen, :seqlen].to(
+            device=hidden_states.device, dtype=hidden_states.dtype
+        )
         alibi_attn_mask = attn_bias + alibi_bias
         for layer_module in self.layer:
             hidden_states = layer_module(hidden_states, attn_bias)
@@ -159,7 +163,9 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(config)
 
     def forward(self, inputs_embeds):
-        attention_mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+        attention_mask = torch.ones(
+            inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device
+        )
         hidden_states = self.embeddings_norm(inputs_embeds)
         return self.encoder(hidden_states, attention_mask)
 

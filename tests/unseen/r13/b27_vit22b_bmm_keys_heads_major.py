@@ -19,7 +19,9 @@ class DenseGeneral(nn.Module):
         super().__init__()
         self.equation = equation
         self.kernel = nn.Parameter(torch.randn(*kernel_shape) * kernel_shape[0] ** -0.5)
-        self.bias = nn.Parameter(torch.randn(*bias_shape) * 0.02) if bias_shape is not None else None
+        self.bias = (
+            nn.Parameter(torch.randn(*bias_shape) * 0.02) if bias_shape is not None else None
+        )
 
     def forward(self, x):
         y = torch.einsum(self.equation, x, self.kernel.to(x.dtype))
@@ -36,9 +38,15 @@ class QKLayerNormAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = width // num_heads
-        self.query = DenseGeneral((width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim))
-        self.key = DenseGeneral((width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim))
-        self.value = DenseGeneral((width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim))
+        self.query = DenseGeneral(
+            (width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim)
+        )
+        self.key = DenseGeneral(
+            (width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim)
+        )
+        self.value = DenseGeneral(
+            (width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim)
+        )
         self.out = DenseGeneral((num_heads, self.head_dim, width), "bthk,hkd->btd", (width,))
         self.query_ln = nn.LayerNorm(self.head_dim, bias=False)
         self.key_ln = nn.LayerNorm(self.head_dim, bias=False)
@@ -48,7 +56,7 @@ class QKLayerNormAttention(nn.Module):
         q = self.query_ln(self.query(x))
         k = self.key_ln(self.key(x))
         v = self.value(x)
-        q = q * self.head_dim ** -0.5
+        q = q * self.head_dim**-0.5
         # bmm path (export friendly): fold (batch, heads)
         qf = q.permute(0, 2, 1, 3).reshape(b * self.num_heads, t, self.head_dim)
         kf = k.permute(2, 0, 1, 3).reshape(b * self.num_heads, t, self.head_dim)

@@ -140,16 +140,20 @@ class Transformer(nn.Module):
         self.args = args
         self.layers = nn.ModuleList([EncoderBlock(args) for _ in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.freqs_complex = precompute_theta_pos_frequencies(args.dim // args.n_heads, args.max_seq_len * 2)
+        self.freqs_complex = precompute_theta_pos_frequencies(
+            args.dim // args.n_heads, args.max_seq_len * 2
+        )
 
     def forward(self, h, start_pos=0):
         batch_size, seq_len, _ = h.shape
-        freqs_complex = self.freqs_complex[start_pos:start_pos + seq_len].to(h.device)
+        freqs_complex = self.freqs_complex[start_pos : start_pos + seq_len].to(h.device)
         mask = None
         if seq_len > 1:
             mask = torch.full((seq_len, seq_len), float("-inf"), device=h.device)
             mask = torch.triu(mask, diagonal=1)
-            mask = torch.hstack([torch.zeros((seq_len, start_pos), device=h.device), mask]).type_as(h)
+            mask = torch.hstack([torch.zeros((seq_len, start_pos), device=h.device), mask]).type_as(
+                h
+            )
         for layer in self.layers:
             h = layer(h, start_pos, freqs_complex, mask)
         return self.norm(h)

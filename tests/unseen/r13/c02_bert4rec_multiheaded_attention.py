@@ -94,7 +94,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, hidden, attn_heads, feed_forward_hidden, dropout):
         super().__init__()
         self.attention = MultiHeadedAttention(h=attn_heads, d_model=hidden, dropout=dropout)
-        self.feed_forward = PositionwiseFeedForward(d_model=hidden, d_ff=feed_forward_hidden, dropout=dropout)
+        self.feed_forward = PositionwiseFeedForward(
+            d_model=hidden, d_ff=feed_forward_hidden, dropout=dropout
+        )
         self.input_sublayer = SublayerConnection(size=hidden, dropout=dropout)
         self.output_sublayer = SublayerConnection(size=hidden, dropout=dropout)
         self.dropout = nn.Dropout(p=dropout)

@@ -18,7 +18,9 @@ class DenseGeneral(nn.Module):
         super().__init__()
         self.equation = equation
         self.kernel = nn.Parameter(torch.randn(*kernel_shape) * kernel_shape[0] ** -0.5)
-        self.bias = nn.Parameter(torch.randn(*bias_shape) * 0.02) if bias_shape is not None else None
+        self.bias = (
+            nn.Parameter(torch.randn(*bias_shape) * 0.02) if bias_shape is not None else None
+        )
 
     def forward(self, x):
         y = torch.einsum(self.equation, x, self.kernel.to(x.dtype))
@@ -35,9 +37,15 @@ class QKLayerNormAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = width // num_heads
-        self.query = DenseGeneral((width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim))
-        self.key = DenseGeneral((width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim))
-        self.value = DenseGeneral((width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim))
+        self.query = DenseGeneral(
+            (width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim)
+        )
+        self.key = DenseGeneral(
+            (width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim)
+        )
+        self.value = DenseGeneral(
+            (width, num_heads, self.head_dim), "btd,dhk->bthk", (num_heads, self.head_dim)
+        )
         self.out = DenseGeneral((num_heads, self.head_dim, width), "bthk,hkd->btd", (width,))
         self.query_ln = nn.LayerNorm(self.head_dim, bias=False)
         self.key_ln = nn.LayerNorm(self.head_dim, bias=False)
@@ -47,7 +55,7 @@ class QKLayerNormAttention(nn.Module):
         q = self.query_ln(self.query(x))
         k = self.key_ln(self.key(x))
         v = self.value(x)
-        q = q * self.head_dim ** -0.5
+        q = q * self.head_dim**-0.5
         logits = torch.einsum("bqhd,bkhd->bhqk", q, k)
         weights = F.softmax(logits, dim=-1)
         ctx = torch.einsum("bhqk,bkhd->bqhd", weights, v)

@@ -99,7 +99,9 @@ class QWenAttention(nn.Module):
             )
         if causal_mask is not None:
             mask_value = torch.finfo(attn_weights.dtype).min
-            mask_value = torch.full([], mask_value, dtype=attn_weights.dtype).to(attn_weights.device)
+            mask_value = torch.full([], mask_value, dtype=attn_weights.dtype).to(
+                attn_weights.device
+            )
             attn_weights = torch.where(causal_mask, attn_weights.to(attn_weights.dtype), mask_value)
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
@@ -173,7 +175,9 @@ class QWenBlock(nn.Module):
 
     def forward(self, hidden_states, rotary_pos_emb_list=None, attention_mask=None):
         layernorm_output = self.ln_1(hidden_states)
-        attn_outputs = self.attn(layernorm_output, rotary_pos_emb_list, attention_mask=attention_mask)
+        attn_outputs = self.attn(
+            layernorm_output, rotary_pos_emb_list, attention_mask=attention_mask
+        )
         layernorm_input = attn_outputs[0] + hidden_states
         layernorm_output = self.ln_2(layernorm_input)
         return self.mlp(layernorm_output) + layernorm_input

@@ -43,7 +43,9 @@ class GraphAttentionLayer(nn.Module):
 class MultiHeadGAT(nn.Module):
     def __init__(self, nfeat=64, nhid=16, nheads=4):
         super().__init__()
-        self.attentions = nn.ModuleList([GraphAttentionLayer(nfeat, nhid, concat=True) for _ in range(nheads)])
+        self.attentions = nn.ModuleList(
+            [GraphAttentionLayer(nfeat, nhid, concat=True) for _ in range(nheads)]
+        )
         self.out_proj = nn.Linear(nhid * nheads, nfeat)
 
     def forward(self, x, adj):

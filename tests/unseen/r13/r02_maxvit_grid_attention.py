@@ -15,7 +15,7 @@ class GridAttention(nn.Module):
     def __init__(self, dim=64, dim_head=16, grid_size=4):
         super().__init__()
         self.heads = dim // dim_head
-        self.scale = dim_head ** -0.5
+        self.scale = dim_head**-0.5
         self.grid_size = grid_size
         self.to_qkv = nn.Linear(dim, dim * 3, bias=False)
         self.to_out = nn.Linear(dim, dim, bias=False)
@@ -40,7 +40,9 @@ class MaxViTGridBlock(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.attn = GridAttention(dim)
-        self.ff = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim * 4), nn.GELU(), nn.Linear(dim * 4, dim))
+        self.ff = nn.Sequential(
+            nn.LayerNorm(dim), nn.Linear(dim, dim * 4), nn.GELU(), nn.Linear(dim * 4, dim)
+        )
 
     def forward(self, x):
         x = x + self.attn(self.norm(x))

@@ -35,7 +35,10 @@ class MDHASelfAttention(nn.Module):
         self.k_dconv = DepthwiseCausalConv(n_embd)
         self.v_dconv = DepthwiseCausalConv(n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
-        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+        self.register_buffer(
+            "bias",
+            torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size),
+        )
 
     def forward(self, x):
         B, T, C = x.size()

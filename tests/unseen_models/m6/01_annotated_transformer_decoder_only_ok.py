@@ -22,11 +22,24 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": True,
-    "layers": ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn", "decoder.layers.2.self_attn"],
+    "layers": [
+        "decoder.layers.0.self_attn",
+        "decoder.layers.1.self_attn",
+        "decoder.layers.2.self_attn",
+    ],
     "kind": "causal-multihead",
     "cache": None,
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 16, "causal": True, "cross": False, "rope": None,
-                  "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 16,
+        "causal": True,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "Annotated Transformer: clones(), self.linears[0..3], attention() free function with masked_fill(mask == 0, -1e9), "
     "subsequent_mask, SublayerConnection pre-norm, a_2/b_2 LayerNorm with unbiased std, sin/cos interleaved PE",
 }

@@ -30,9 +30,17 @@ EXPECT = {
     "layers": ["layers.0.attention", "layers.1.attention", "layers.2.attention"],
     "kind": "causal-multihead",
     "cache": "book-buffers",
-    "structure": {"heads": 4, "kv_heads": 2, "head_dim": 16, "causal": True, "cross": False,
-                  "rope": {"pairing": "interleaved", "fraction": 1.0, "base": 10000.0},
-                  "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 16,
+        "causal": True,
+        "cross": False,
+        "rope": {"pairing": "interleaved", "fraction": 1.0, "base": 10000.0},
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "Umar Jamil pytorch-llama: forward(tokens, start_pos), per-attention cache_k/cache_v (b, s, kv, d), "
     "torch.polar freqs_complex (interleaved), repeat_kv expand, GQA 4/2, SwiGLU w1/w2/w3",
 }
@@ -137,7 +145,9 @@ class SelfAttention(nn.Module):
         scores = torch.matmul(xq, keys.transpose(2, 3)) / math.sqrt(self.head_dim)
         if mask is not None:
             scores = scores + mask
-        scores = F.softmax(scores if scores.dtype == torch.float64 else scores.float(), dim=-1).type_as(xq)
+        scores = F.softmax(
+            scores if scores.dtype == torch.float64 else scores.float(), dim=-1
+        ).type_as(xq)
         output = torch.matmul(scores, values)
         output = output.transpose(1, 2).contiguous().view(batch_size, seq_len, -1)
         return self.wo(output)
@@ -179,7 +189,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList([EncoderBlock(args) for _ in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.freqs_complex = precompute_theta_pos_frequencies(args.dim // args.n_heads, args.max_seq_len * 2)
+        self.freqs_complex = precompute_theta_pos_frequencies(
+            args.dim // args.n_heads, args.max_seq_len * 2
+        )
         self.current_pos = 0
 
     def reset_kv_cache(self):
@@ -198,7 +210,9 @@ class Transformer(nn.Module):
         if seq_len > 1:
             mask = torch.full((seq_len, seq_len), float("-inf"), device=tokens.device)
             mask = torch.triu(mask, diagonal=1)
-            mask = torch.hstack([torch.zeros((seq_len, start_pos), device=tokens.device), mask]).to(h.dtype)
+            mask = torch.hstack([torch.zeros((seq_len, start_pos), device=tokens.device), mask]).to(
+                h.dtype
+            )
         for layer in self.layers:
             h = layer(h, start_pos, freqs_complex, mask)
         if use_cache:

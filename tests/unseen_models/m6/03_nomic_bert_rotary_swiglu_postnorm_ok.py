@@ -23,9 +23,17 @@ EXPECT = {
     "layers": ["bert.encoder.layers.0.attn", "bert.encoder.layers.1.attn"],
     "kind": "multihead",
     "cache": None,
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 16, "causal": False, "cross": False,
-                  "rope": {"pairing": "half", "fraction": 1.0, "base": 1000.0},
-                  "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 16,
+        "causal": False,
+        "cross": False,
+        "rope": {"pairing": "half", "fraction": 1.0, "base": 1000.0},
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "nomic-bert modeling_hf_nomic_bert.py: bias-free Wqkv (three h d), rotary halves base 1000, "
     "permute(0, 3, 2, 1, 4).unbind(2), norm_factor, post-norm blocks, SwiGLU fc11/fc12/fc2, tied MLM decoder",
 }
@@ -68,7 +76,10 @@ def apply_rotary_emb(x, cos, sin, interleaved=False):
     else:
         cos = torch.cat([cos, cos], dim=-1)[:, None]
         sin = torch.cat([sin, sin], dim=-1)[:, None]
-    return torch.cat([x[..., :ro_dim] * cos + rotate_half(x[..., :ro_dim], interleaved) * sin, x[..., ro_dim:]], dim=-1)
+    return torch.cat(
+        [x[..., :ro_dim] * cos + rotate_half(x[..., :ro_dim], interleaved) * sin, x[..., ro_dim:]],
+        dim=-1,
+    )
 
 
 class NomicBertRotaryEmbedding(nn.Module):
@@ -76,8 +87,11 @@ class NomicBertRotaryEmbedding(nn.Module):
         super().__init__()
         self.dim = dim
         self.interleaved = interleaved
-        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+            persistent=False,
+        )
 
     def forward(self, qkv, seqlen_offset=0):
         seqlen = qkv.shape[1]
@@ -111,8 +125,11 @@ class NomicBertAttention(nn.Module):
         self.rotary_emb_dim = int(self.head_dim * config.rotary_emb_fraction)
         self.Wqkv = nn.Linear(self.embed_dim, 3 * self.embed_dim, bias=config.qkv_proj_bias)
         self.out_proj = nn.Linear(self.embed_dim, self.embed_dim, bias=config.qkv_proj_bias)
-        self.rotary_emb = NomicBertRotaryEmbedding(self.rotary_emb_dim, base=config.rotary_emb_base,
-                                                   interleaved=config.rotary_emb_interleaved)
+        self.rotary_emb = NomicBertRotaryEmbedding(
+            self.rotary_emb_dim,
+            base=config.rotary_emb_base,
+            interleaved=config.rotary_emb_interleaved,
+        )
         self.norm_factor = math.sqrt(self.head_dim)
         self.drop = nn.Dropout(0.0)
 
@@ -184,7 +201,9 @@ class NomicBertModel(nn.Module):
         hidden_states = self.emb_ln(self.emb_drop(self.embeddings(input_ids, token_type_ids)))
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        extended = (1.0 - attention_mask[:, None, None, :].to(hidden_states.dtype)) * torch.finfo(hidden_states.dtype).min
+        extended = (1.0 - attention_mask[:, None, None, :].to(hidden_states.dtype)) * torch.finfo(
+            hidden_states.dtype
+        ).min
         return self.encoder(hidden_states, attention_mask=extended)
 
 

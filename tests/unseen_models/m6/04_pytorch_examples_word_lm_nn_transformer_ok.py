@@ -25,8 +25,17 @@ EXPECT = {
     "layers": ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"],
     "kind": "causal-multihead",
     "cache": None,
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 16, "causal": True, "cross": False, "rope": None,
-                  "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 16,
+        "causal": True,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "pytorch/examples word_language_model: TransformerModel(nn.Transformer), stock nn.TransformerEncoderLayer "
     "(post-norm) with nn.MultiheadAttention sequence-first, float -inf subsequent mask, self.decoder replaced by Linear",
 }
@@ -51,8 +60,14 @@ class PositionalEncoding(nn.Module):
 
 class TransformerModel(nn.Transformer):
     def __init__(self, ntoken, ninp, nhead, nhid, nlayers, dropout=0.5):
-        super().__init__(d_model=ninp, nhead=nhead, dim_feedforward=nhid, num_encoder_layers=nlayers,
-                         num_decoder_layers=1, dropout=dropout)
+        super().__init__(
+            d_model=ninp,
+            nhead=nhead,
+            dim_feedforward=nhid,
+            num_encoder_layers=nlayers,
+            num_decoder_layers=1,
+            dropout=dropout,
+        )
         self.model_type = "Transformer"
         self.src_mask = None
         self.pos_encoder = PositionalEncoding(ninp, dropout)
@@ -96,5 +111,7 @@ def make_model():
                 m.weight.copy_(1.0 + 0.3 * torch.randn_like(m.weight))
                 m.bias.copy_(0.1 * torch.randn_like(m.bias))
         for layer in model.encoder.layers:
-            layer.self_attn.in_proj_bias.copy_(0.05 * torch.randn_like(layer.self_attn.in_proj_bias))
+            layer.self_attn.in_proj_bias.copy_(
+                0.05 * torch.randn_like(layer.self_attn.in_proj_bias)
+            )
     return model.eval()

@@ -25,9 +25,17 @@ EXPECT = {
     "layers": ["model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.2.self_attn"],
     "kind": "causal-multihead",
     "cache": "hf",
-    "structure": {"heads": 6, "kv_heads": 2, "head_dim": 16, "causal": True, "cross": False,
-                  "rope": {"pairing": "interleaved", "fraction": 1.0, "base": 8000000.0},
-                  "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 6,
+        "kv_heads": 2,
+        "head_dim": 16,
+        "causal": True,
+        "cross": False,
+        "rope": {"pairing": "interleaved", "fraction": 1.0, "base": 8000000.0},
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "modeling_cohere.py: parallel block with one input_layernorm, bias-free mean-centred CohereLayerNorm, "
     "repeat_interleave rotary (interleaved), GQA 6/2 d 96, finfo.min mask from cache_position, logit_scale, CohereCache",
 }
@@ -66,7 +74,9 @@ class CohereCache:
             self.value_cache.append(value_states)
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
 
@@ -78,7 +88,9 @@ class CohereLayerNorm(nn.Module):
 
     def forward(self, hidden_states):
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32) if input_dtype != torch.float64 else hidden_states
+        hidden_states = (
+            hidden_states.to(torch.float32) if input_dtype != torch.float64 else hidden_states
+        )
         mean = hidden_states.mean(-1, keepdim=True)
         variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
         hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)
@@ -94,7 +106,9 @@ class CohereRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x, position_ids):
-        inv_freq_expanded = self.inv_freq.double()[None, :, None].expand(position_ids.shape[0], -1, 1)
+        inv_freq_expanded = self.inv_freq.double()[None, :, None].expand(
+            position_ids.shape[0], -1, 1
+        )
         position_ids_expanded = position_ids[:, None, :].double()
         freqs = (inv_freq_expanded @ position_ids_expanded).transpose(1, 2)
         emb = torch.repeat_interleave(freqs, 2, dim=-1)
@@ -117,7 +131,9 @@ def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
     if n_rep == 1:
         return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -140,10 +156,14 @@ class CohereAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_value=None):
@@ -157,15 +177,20 @@ class CohereAttention(nn.Module):
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
         if past_key_value is not None:
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_value.update(
+                key_states, value_states, self.layer_idx
+            )
 
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
         attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask[:, :, :, : key_states.shape[-2]]
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype) \
-            if query_states.dtype != torch.float64 else F.softmax(attn_weights, dim=-1)
+        attn_weights = (
+            F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
+            if query_states.dtype != torch.float64
+            else F.softmax(attn_weights, dim=-1)
+        )
         attn_output = torch.matmul(attn_weights, value_states)
         attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output)
@@ -181,7 +206,9 @@ class CohereDecoderLayer(nn.Module):
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_value=None):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        attn_out = self.self_attn(hidden_states, position_embeddings, attention_mask, past_key_value)
+        attn_out = self.self_attn(
+            hidden_states, position_embeddings, attention_mask, past_key_value
+        )
         mlp_out = self.mlp(hidden_states)
         return residual + attn_out + mlp_out
 
@@ -190,9 +217,13 @@ class CohereModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([CohereDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [CohereDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = CohereLayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.rotary_emb = CohereRotaryEmbedding(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        self.rotary_emb = CohereRotaryEmbedding(
+            config.hidden_size // config.num_attention_heads, config.rope_theta
+        )
 
     def _update_causal_mask(self, inputs_embeds, cache_position, target_length):
         dtype = inputs_embeds.dtype
@@ -210,12 +241,18 @@ class CohereModel(nn.Module):
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         cache_position = torch.arange(past_seen, past_seen + inputs_embeds.shape[1])
         position_ids = cache_position.unsqueeze(0)
-        causal_mask = self._update_causal_mask(inputs_embeds, cache_position, past_seen + inputs_embeds.shape[1])
+        causal_mask = self._update_causal_mask(
+            inputs_embeds, cache_position, past_seen + inputs_embeds.shape[1]
+        )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for decoder_layer in self.layers:
-            hidden_states = decoder_layer(hidden_states, position_embeddings, causal_mask,
-                                          past_key_values if use_cache else None)
+            hidden_states = decoder_layer(
+                hidden_states,
+                position_embeddings,
+                causal_mask,
+                past_key_values if use_cache else None,
+            )
         return self.norm(hidden_states), past_key_values
 
 
@@ -229,7 +266,9 @@ class CohereForCausalLM(nn.Module):
         self.logit_scale = config.logit_scale
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
-        hidden_states, past = self.model(input_ids, past_key_values=past_key_values, use_cache=use_cache)
+        hidden_states, past = self.model(
+            input_ids, past_key_values=past_key_values, use_cache=use_cache
+        )
         logits = self.lm_head(hidden_states) * self.logit_scale
         return CausalLMOutput(logits, past if use_cache else None)
 

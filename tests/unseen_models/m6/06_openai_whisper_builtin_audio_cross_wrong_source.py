@@ -144,7 +144,9 @@ class AudioEncoder(nn.Module):
         self.conv1 = nn.Conv1d(n_mels, n_state, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(n_state, n_state, kernel_size=3, stride=2, padding=1)
         self.register_buffer("positional_embedding", sinusoids(n_ctx, n_state))
-        self.blocks = nn.ModuleList([ResidualAttentionBlock(n_state, n_head) for _ in range(n_layer)])
+        self.blocks = nn.ModuleList(
+            [ResidualAttentionBlock(n_state, n_head) for _ in range(n_layer)]
+        )
         self.ln_post = LayerNorm(n_state)
 
     def forward(self, x):
@@ -162,33 +164,40 @@ class TextDecoder(nn.Module):
         super().__init__()
         self.token_embedding = nn.Embedding(n_vocab, n_state)
         self.positional_embedding = nn.Parameter(torch.empty(n_ctx, n_state))
-        self.blocks = nn.ModuleList([
-            ResidualAttentionBlock(n_state, n_head, cross_attention=True, ported_cross=(i == 1))
-            for i in range(n_layer)
-        ])
+        self.blocks = nn.ModuleList(
+            [
+                ResidualAttentionBlock(n_state, n_head, cross_attention=True, ported_cross=(i == 1))
+                for i in range(n_layer)
+            ]
+        )
         self.ln = LayerNorm(n_state)
         mask = torch.empty(n_ctx, n_ctx).fill_(-np.inf).triu_(1)
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x, xa):
         offset = 0
-        x = self.token_embedding(x) + self.positional_embedding[offset: offset + x.shape[-1]]
+        x = self.token_embedding(x) + self.positional_embedding[offset : offset + x.shape[-1]]
         x = x.to(xa.dtype)
         for block in self.blocks:
             x = block(x, xa, mask=self.mask)
         x = self.ln(x)
-        return (x @ torch.transpose(self.token_embedding.weight.to(x.dtype), 0, 1)).float() \
-            if x.dtype != torch.float64 else x @ self.token_embedding.weight.T
+        return (
+            (x @ torch.transpose(self.token_embedding.weight.to(x.dtype), 0, 1)).float()
+            if x.dtype != torch.float64
+            else x @ self.token_embedding.weight.T
+        )
 
 
 class WhisperWithBuiltinAudio(nn.Module):
     def __init__(self, dims):
         super().__init__()
         self.dims = dims
-        self.encoder = AudioEncoder(dims.n_mels, dims.n_audio_ctx, dims.n_audio_state, dims.n_audio_head,
-                                    dims.n_audio_layer)
-        self.decoder = TextDecoder(dims.n_vocab, dims.n_text_ctx, dims.n_text_state, dims.n_text_head,
-                                   dims.n_text_layer)
+        self.encoder = AudioEncoder(
+            dims.n_mels, dims.n_audio_ctx, dims.n_audio_state, dims.n_audio_head, dims.n_audio_layer
+        )
+        self.decoder = TextDecoder(
+            dims.n_vocab, dims.n_text_ctx, dims.n_text_state, dims.n_text_head, dims.n_text_layer
+        )
         self.register_buffer("mel", torch.randn(1, dims.n_mels, 2 * dims.n_audio_ctx))
 
     def embed_audio(self, batch):

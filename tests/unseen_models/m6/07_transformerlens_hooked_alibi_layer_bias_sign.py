@@ -55,7 +55,9 @@ class HookPoint(nn.Module):
 
 
 def gelu_new(x):
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    return (
+        0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    )
 
 
 class Embed(nn.Module):
@@ -110,7 +112,15 @@ class Attention(nn.Module):
         self.register_buffer("IGNORE", torch.tensor(-torch.inf))
         self.attn_scale = math.sqrt(dh)
         self.alibi = None
-        for name in ["hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z", "hook_result"]:
+        for name in [
+            "hook_q",
+            "hook_k",
+            "hook_v",
+            "hook_attn_scores",
+            "hook_pattern",
+            "hook_z",
+            "hook_result",
+        ]:
             setattr(self, name, HookPoint())
 
     @staticmethod
@@ -180,7 +190,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg, block_index):
         super().__init__()
         self.ln1 = LayerNorm(cfg)
-        attn_cls = DenseAlibiAttention if cfg.attn_impls[block_index] == "dense_alibi" else Attention
+        attn_cls = (
+            DenseAlibiAttention if cfg.attn_impls[block_index] == "dense_alibi" else Attention
+        )
         self.attn = attn_cls(cfg, block_index)
         self.ln2 = LayerNorm(cfg)
         self.mlp = MLP(cfg)

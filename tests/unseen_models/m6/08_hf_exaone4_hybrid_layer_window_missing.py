@@ -109,15 +109,23 @@ class Exaone4Attention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         layer_type = config.layer_types[layer_idx]
         self.attention_type = layer_type
         self.is_sliding = layer_type != "full_attention"
         self.sliding_window = config.sliding_window if self.is_sliding else None
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=False
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
+        )
         self.q_norm = Exaone4RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Exaone4RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -130,8 +138,9 @@ class Exaone4Attention(nn.Module):
         if self.sliding_window is not None:
             cos, sin = position_embeddings
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        attn_output = eager_attention_forward(self, query_states, key_states, value_states, attention_mask,
-                                              self.scaling)
+        attn_output = eager_attention_forward(
+            self, query_states, key_states, value_states, attention_mask, self.scaling
+        )
         return self.o_proj(attn_output.reshape(*input_shape, -1))
 
 
@@ -153,7 +162,9 @@ class Exaone4DecoderLayer(nn.Module):
         self.self_attn = Exaone4Attention(config, layer_idx)
         self.mlp = Exaone4MLP(config)
         self.post_attention_layernorm = Exaone4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_feedforward_layernorm = Exaone4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = Exaone4RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
         residual = hidden_states
@@ -185,7 +196,9 @@ class Exaone4Model(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Exaone4DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [Exaone4DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = Exaone4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Exaone4RotaryEmbedding(config)
 
@@ -195,12 +208,15 @@ class Exaone4Model(nn.Module):
         position_ids = torch.arange(seq_len)[None]
         causal_mask_mapping = {
             "full_attention": create_causal_mask(seq_len, seq_len, hidden_states.dtype),
-            "sliding_attention": create_causal_mask(seq_len, seq_len, hidden_states.dtype,
-                                                    self.config.sliding_window),
+            "sliding_attention": create_causal_mask(
+                seq_len, seq_len, hidden_states.dtype, self.config.sliding_window
+            ),
         }
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
-            mask = causal_mask_mapping.get(layer.attention_type, causal_mask_mapping["full_attention"])
+            mask = causal_mask_mapping.get(
+                layer.attention_type, causal_mask_mapping["full_attention"]
+            )
             hidden_states = layer(hidden_states, position_embeddings, mask)
         return self.norm(hidden_states)
 

@@ -107,15 +107,26 @@ class GlmAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.expand_kv = cat_kv if config.kv_expand[layer_idx] == "cat" else repeat_kv
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim,
-                                bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim,
-                                bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim,
-                                bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(
+            config.hidden_size,
+            config.num_attention_heads * self.head_dim,
+            bias=config.attention_bias,
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size,
+            config.num_key_value_heads * self.head_dim,
+            bias=config.attention_bias,
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size,
+            config.num_key_value_heads * self.head_dim,
+            bias=config.attention_bias,
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
+        )
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
         input_shape = hidden_states.shape[:-1]
@@ -155,8 +166,9 @@ class GlmDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
         residual = hidden_states
-        hidden_states = residual + self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
-                                                  attention_mask)
+        hidden_states = residual + self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask
+        )
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -170,7 +182,9 @@ class GlmModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([GlmDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [GlmDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = GlmRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = GlmRotaryEmbedding(config)
 
@@ -179,7 +193,9 @@ class GlmModel(nn.Module):
         seq_len = input_ids.shape[1]
         position_ids = torch.arange(seq_len)[None]
         min_dtype = torch.finfo(hidden_states.dtype).min
-        causal_mask = torch.triu(torch.full((seq_len, seq_len), min_dtype, dtype=hidden_states.dtype), diagonal=1)
+        causal_mask = torch.triu(
+            torch.full((seq_len, seq_len), min_dtype, dtype=hidden_states.dtype), diagonal=1
+        )
         causal_mask = causal_mask[None, None]
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:

@@ -88,13 +88,19 @@ class OlmoeAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = self.hidden_size // self.num_heads
         self.num_key_value_heads = config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=False)
         self.q_norm = OlmoeRMSNorm(self.hidden_size, eps=config.rms_norm_eps)
-        self.k_norm = OlmoeRMSNorm(self.num_key_value_heads * self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = OlmoeRMSNorm(
+            self.num_key_value_heads * self.head_dim, eps=config.rms_norm_eps
+        )
 
     def _attend(self, query_states, key_states, value_states, attention_mask, bsz, q_len):
         attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
@@ -110,8 +116,12 @@ class OlmoeAttention(nn.Module):
         key_states = self.k_norm(self.k_proj(hidden_states))
         value_states = self.v_proj(hidden_states)
         query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = key_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        value_states = value_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        key_states = key_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(
+            1, 2
+        )
+        value_states = value_states.view(
+            bsz, q_len, self.num_key_value_heads, self.head_dim
+        ).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         return self._attend(query_states, key_states, value_states, attention_mask, bsz, q_len)
@@ -120,16 +130,28 @@ class OlmoeAttention(nn.Module):
 class OlmoeRotaryFirstAttention(OlmoeAttention):
     def forward(self, hidden_states, position_embeddings, attention_mask):
         bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        query_states = (
+            self.q_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        key_states = (
+            self.k_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
         value_states = self.v_proj(hidden_states)
-        value_states = value_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        value_states = value_states.view(
+            bsz, q_len, self.num_key_value_heads, self.head_dim
+        ).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         query_states = self.q_norm(query_states.transpose(1, 2).reshape(bsz, q_len, -1))
         key_states = self.k_norm(key_states.transpose(1, 2).reshape(bsz, q_len, -1))
         query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = key_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        key_states = key_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(
+            1, 2
+        )
         return self._attend(query_states, key_states, value_states, attention_mask, bsz, q_len)
 
 
@@ -157,8 +179,11 @@ class OlmoeSparseMoeBlock(nn.Module):
         batch_size, sequence_length, hidden_dim = hidden_states.shape
         hidden_states = hidden_states.view(-1, hidden_dim)
         router_logits = self.gate(hidden_states)
-        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float).to(hidden_states.dtype) \
-            if hidden_states.dtype != torch.float64 else F.softmax(router_logits, dim=1)
+        routing_weights = (
+            F.softmax(router_logits, dim=1, dtype=torch.float).to(hidden_states.dtype)
+            if hidden_states.dtype != torch.float64
+            else F.softmax(router_logits, dim=1)
+        )
         routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
         if self.norm_topk_prob:
             routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
@@ -177,7 +202,11 @@ class OlmoeSparseMoeBlock(nn.Module):
 class OlmoeDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
-        attn_cls = OlmoeRotaryFirstAttention if config.attn_impl[layer_idx] == "rotary_first" else OlmoeAttention
+        attn_cls = (
+            OlmoeRotaryFirstAttention
+            if config.attn_impl[layer_idx] == "rotary_first"
+            else OlmoeAttention
+        )
         self.self_attn = attn_cls(config, layer_idx)
         self.mlp = OlmoeSparseMoeBlock(config)
         self.input_layernorm = OlmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -185,8 +214,9 @@ class OlmoeDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
         residual = hidden_states
-        hidden_states = residual + self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
-                                                  attention_mask)
+        hidden_states = residual + self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask
+        )
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -200,15 +230,21 @@ class OlmoeModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([OlmoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [OlmoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = OlmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = OlmoeRotaryEmbedding(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        self.rotary_emb = OlmoeRotaryEmbedding(
+            config.hidden_size // config.num_attention_heads, config.rope_theta
+        )
 
     def forward(self, input_ids):
         hidden_states = self.embed_tokens(input_ids)
         seq_len = input_ids.shape[1]
         position_ids = torch.arange(seq_len)[None]
-        mask = torch.full((seq_len, seq_len), torch.finfo(hidden_states.dtype).min, dtype=hidden_states.dtype)
+        mask = torch.full(
+            (seq_len, seq_len), torch.finfo(hidden_states.dtype).min, dtype=hidden_states.dtype
+        )
         mask = torch.triu(mask, diagonal=1)[None, None]
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:

@@ -166,8 +166,10 @@ class GPT2(nn.Module):
     def __init__(self, hparams):
         super().__init__()
         self.hparams = hparams
-        scopes = {"wpe": Embedding(hparams.n_ctx, hparams.n_embd, 0.01),
-                  "wte": Embedding(hparams.n_vocab, hparams.n_embd, 0.02)}
+        scopes = {
+            "wpe": Embedding(hparams.n_ctx, hparams.n_embd, 0.01),
+            "wte": Embedding(hparams.n_vocab, hparams.n_embd, 0.02),
+        }
         for layer in range(hparams.n_layer):
             scopes["h%d" % layer] = Block(hparams, hparams.mask_late[layer])
         scopes["ln_f"] = Norm(hparams.n_embd)

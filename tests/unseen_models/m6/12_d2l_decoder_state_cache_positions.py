@@ -26,7 +26,11 @@ import torch.nn as nn
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["decoder.blks.block0.attention1", "decoder.blks.block1.attention1", "decoder.blks.block2.attention1"],
+    "layers": [
+        "decoder.blks.block0.attention1",
+        "decoder.blks.block1.attention1",
+        "decoder.blks.block2.attention1",
+    ],
     "kind": "causal-multihead",
     "cache": "book-cache",
     "decode": {"mistake": "cache_positions", "step": 0, "layer": "decoder.blks.block0.attention1"},
@@ -125,7 +129,8 @@ class PositionalEncoding(nn.Module):
         self.dropout = nn.Dropout(dropout)
         P = torch.zeros((1, max_len, num_hiddens))
         X = torch.arange(max_len, dtype=torch.float32).reshape(-1, 1) / torch.pow(
-            10000, torch.arange(0, num_hiddens, 2, dtype=torch.float32) / num_hiddens)
+            10000, torch.arange(0, num_hiddens, 2, dtype=torch.float32) / num_hiddens
+        )
         P[:, :, 0::2] = torch.sin(X)
         P[:, :, 1::2] = torch.cos(X)
         self.register_buffer("P", P)
@@ -153,7 +158,9 @@ class TransformerDecoderBlock(nn.Module):
         state[2][self.i] = key_values
         batch_size, num_steps, _ = X.shape
         if num_steps > 1:
-            dec_valid_lens = torch.arange(past + 1, past + num_steps + 1, device=X.device).repeat(batch_size, 1)
+            dec_valid_lens = torch.arange(past + 1, past + num_steps + 1, device=X.device).repeat(
+                batch_size, 1
+            )
         else:
             dec_valid_lens = None
         X2 = self.attention1(X, key_values, key_values, dec_valid_lens)
@@ -170,8 +177,10 @@ class TransformerDecoder(nn.Module):
         self.pos_encoding = PositionalEncoding(num_hiddens, dropout)
         self.blks = nn.Sequential()
         for i in range(num_blks):
-            self.blks.add_module("block" + str(i),
-                                 TransformerDecoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, i))
+            self.blks.add_module(
+                "block" + str(i),
+                TransformerDecoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, i),
+            )
         self.dense = nn.Linear(num_hiddens, vocab_size)
 
     def init_state(self):
@@ -195,9 +204,19 @@ class KVCache(list):
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, vocab_size=100, num_hiddens=64, ffn_num_hiddens=128, num_heads=4, num_blks=3, dropout=0.1):
+    def __init__(
+        self,
+        vocab_size=100,
+        num_hiddens=64,
+        ffn_num_hiddens=128,
+        num_heads=4,
+        num_blks=3,
+        dropout=0.1,
+    ):
         super().__init__()
-        self.decoder = TransformerDecoder(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout)
+        self.decoder = TransformerDecoder(
+            vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout
+        )
 
     def reset_kv_cache(self):
         pass

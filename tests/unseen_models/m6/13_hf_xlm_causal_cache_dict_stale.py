@@ -110,7 +110,9 @@ class MultiHeadAttention(nn.Module):
         klen = scores.size(-1)  # align the mask with the keys actually held (right-aligned)
         mask = (mask == 0).view(mask_reshape)[..., -klen:].expand_as(scores)
         scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-        weights = F.softmax(scores.float() if scores.dtype != torch.float64 else scores, dim=-1).type_as(scores)
+        weights = F.softmax(
+            scores.float() if scores.dtype != torch.float64 else scores, dim=-1
+        ).type_as(scores)
         context = unshape(torch.matmul(weights, v))
         return self.out_lin(context)
 
@@ -130,7 +132,7 @@ def get_masks(slen, qlen, causal):
     alen = torch.arange(slen, dtype=torch.long)
     mask = torch.ones(slen, dtype=torch.bool)
     if causal:
-        attn_mask = alen[None, :] <= alen[slen - qlen:, None]
+        attn_mask = alen[None, :] <= alen[slen - qlen :, None]
     else:
         attn_mask = mask[None, :].expand(qlen, slen)
     return mask, attn_mask

@@ -32,7 +32,11 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["transformer.layers.0.mixer", "transformer.layers.1.mixer", "transformer.layers.2.mixer"],
+    "layers": [
+        "transformer.layers.0.mixer",
+        "transformer.layers.1.mixer",
+        "transformer.layers.2.mixer",
+    ],
     "kind": "causal-multihead",
     "cache": "book-cache",
     "decode": {"mistake": "cache_mask", "step": 0, "layer": "transformer.layers.0.mixer"},
@@ -56,7 +60,12 @@ class GPTConfig:
 
 
 class InferenceParams:
-    def __init__(self, n_layers=None, max_seqlen=GPTConfig.max_seqlen, max_batch_size=GPTConfig.max_batch_size):
+    def __init__(
+        self,
+        n_layers=None,
+        max_seqlen=GPTConfig.max_seqlen,
+        max_batch_size=GPTConfig.max_batch_size,
+    ):
         self.max_seqlen = max_seqlen
         self.max_batch_size = max_batch_size
         self.seqlen_offset = 0
@@ -87,7 +96,9 @@ def apply_rotary_emb_torch(x, cos, sin):
     ro_dim = cos.shape[-1] * 2
     cos = torch.cat([cos, cos], dim=-1)[:, None, :]
     sin = torch.cat([sin, sin], dim=-1)[:, None, :]
-    return torch.cat([x[..., :ro_dim] * cos + rotate_half(x[..., :ro_dim]) * sin, x[..., ro_dim:]], dim=-1)
+    return torch.cat(
+        [x[..., :ro_dim] * cos + rotate_half(x[..., :ro_dim]) * sin, x[..., ro_dim:]], dim=-1
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -120,7 +131,9 @@ class SelfAttention(nn.Module):
         softmax_scale = self.softmax_scale or 1.0 / math.sqrt(q.shape[-1])
         scores = torch.einsum("bthd,bshd->bhts", q, k * softmax_scale)
         if self.causal:
-            causal_mask = torch.triu(torch.full((seqlen, seqlen), -10000.0, device=scores.device), 1)
+            causal_mask = torch.triu(
+                torch.full((seqlen, seqlen), -10000.0, device=scores.device), 1
+            )
             scores = scores + causal_mask.to(dtype=scores.dtype)
         attention = torch.softmax(scores, dim=-1, dtype=v.dtype)
         return torch.einsum("bhts,bshd->bthd", attention, v)
@@ -148,7 +161,15 @@ class CrossAttention(nn.Module):
 
 
 class MHA(nn.Module):
-    def __init__(self, embed_dim, num_heads, layer_idx, rotary_emb_dim=0, rotary_emb_base=10000.0, causal=True):
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        layer_idx,
+        rotary_emb_dim=0,
+        rotary_emb_base=10000.0,
+        causal=True,
+    ):
         super().__init__()
         self.embed_dim = embed_dim
         self.num_heads = num_heads
@@ -156,18 +177,27 @@ class MHA(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.rotary_emb_dim = rotary_emb_dim
         if rotary_emb_dim > 0:
-            self.rotary_emb = RotaryEmbedding(rotary_emb_dim, base=rotary_emb_base, interleaved=False)
+            self.rotary_emb = RotaryEmbedding(
+                rotary_emb_dim, base=rotary_emb_base, interleaved=False
+            )
         self.Wqkv = nn.Linear(embed_dim, 3 * embed_dim, bias=True)
         self.inner_attn = SelfAttention(causal=causal)
         self.inner_cross_attn = CrossAttention(causal=causal)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=True)
 
     def _get_kv_cache(self, inference_params, dtype):
-        if self.layer_idx not in inference_params.key_value_memory_dict or \
-                inference_params.key_value_memory_dict[self.layer_idx].dtype != dtype:
+        if (
+            self.layer_idx not in inference_params.key_value_memory_dict
+            or inference_params.key_value_memory_dict[self.layer_idx].dtype != dtype
+        ):
             inference_params.key_value_memory_dict[self.layer_idx] = torch.zeros(
-                inference_params.max_batch_size, inference_params.max_seqlen, 2, self.num_heads, self.head_dim,
-                dtype=dtype)
+                inference_params.max_batch_size,
+                inference_params.max_seqlen,
+                2,
+                self.num_heads,
+                self.head_dim,
+                dtype=dtype,
+            )
         return inference_params.key_value_memory_dict[self.layer_idx]
 
     def _update_kv_cache(self, kv, inference_params):
@@ -184,7 +214,7 @@ class MHA(nn.Module):
         kv_cache = self._get_kv_cache(inference_params, kv.dtype)
         batch = q.shape[0]
         cache_seqlens = inference_params.seqlen_offset
-        kv_cache[:batch, cache_seqlens:cache_seqlens + kv.shape[1]] = kv
+        kv_cache[:batch, cache_seqlens : cache_seqlens + kv.shape[1]] = kv
         k_cache, v_cache = kv_cache[:batch].unbind(dim=2)
         scores = torch.einsum("bthd,bshd->bhts", q, k_cache / math.sqrt(self.head_dim))
         attention = torch.softmax(scores, dim=-1, dtype=v_cache.dtype)
@@ -203,7 +233,9 @@ class MHA(nn.Module):
             kv = self._update_kv_cache(qkv[:, :, 1:], inference_params)
             context = self.inner_cross_attn(qkv[:, :, 0], kv)
         else:
-            context = self._apply_rotary_update_kvcache_attention(qkv[:, :, 0], qkv[:, :, 1:], inference_params)
+            context = self._apply_rotary_update_kvcache_attention(
+                qkv[:, :, 0], qkv[:, :, 1:], inference_params
+            )
         return self.out_proj(context.reshape(b, s, -1))
 
 
@@ -221,8 +253,13 @@ class Block(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
         rotary_dim = int(config.rotary_emb_fraction * (config.n_embd // config.n_head))
-        self.mixer = MHA(config.n_embd, config.n_head, layer_idx, rotary_emb_dim=rotary_dim,
-                         rotary_emb_base=config.rotary_emb_base)
+        self.mixer = MHA(
+            config.n_embd,
+            config.n_head,
+            layer_idx,
+            rotary_emb_dim=rotary_dim,
+            rotary_emb_base=config.rotary_emb_base,
+        )
         self.dropout1 = nn.Dropout(0.0)
         self.norm1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = Mlp(config.n_embd, config.n_inner)
@@ -261,7 +298,9 @@ class GPTModel(nn.Module):
         hidden_states = self.embeddings(input_ids)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params)
+            hidden_states, residual = layer(
+                hidden_states, residual, inference_params=inference_params
+            )
         residual = self.drop_f(hidden_states) + residual
         return self.ln_f(residual)
 

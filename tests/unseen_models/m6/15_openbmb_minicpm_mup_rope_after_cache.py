@@ -65,7 +65,9 @@ class MiniCPMCache:
             self.value_cache.append(value_states)
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
 
@@ -133,27 +135,49 @@ class MiniCPMAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=False)
         self.rotary_emb = MiniCPMRotaryEmbedding(self.head_dim, base=config.rope_theta)
 
     def forward(self, hidden_states, attention_mask, position_ids, past_key_value=None):
         bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        query_states = (
+            self.q_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        key_states = (
+            self.k_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        value_states = (
+            self.v_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
 
         kv_seq_len = key_states.shape[-2]
         if past_key_value is not None:
             kv_seq_len += past_key_value.get_seq_length(self.layer_idx)
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_value.update(
+                key_states, value_states, self.layer_idx
+            )
         cos, sin = self.rotary_emb(value_states, seq_len=kv_seq_len)
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin, position_ids)
+        query_states, key_states = apply_rotary_pos_emb(
+            query_states, key_states, cos, sin, position_ids
+        )
 
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(self.head_dim)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(
+            self.head_dim
+        )
         attn_weights = attn_weights + attention_mask
         attn_weights = F.softmax(attn_weights, dim=-1)
         attn_output = torch.matmul(attn_weights, value_states)
@@ -184,9 +208,12 @@ class MiniCPMDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask, position_ids, past_key_value=None):
         residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_ids,
-                                       past_key_value)
-        hidden_states = residual + hidden_states * (self.scale_depth / math.sqrt(self.num_hidden_layers))
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), attention_mask, position_ids, past_key_value
+        )
+        hidden_states = residual + hidden_states * (
+            self.scale_depth / math.sqrt(self.num_hidden_layers)
+        )
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
         return residual + hidden_states * (self.scale_depth / math.sqrt(self.num_hidden_layers))
@@ -197,22 +224,30 @@ class MiniCPMModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([MiniCPMDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [MiniCPMDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = MiniCPMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         batch_size, seq_length = input_ids.shape
         if use_cache and past_key_values is None:
             past_key_values = MiniCPMCache()
-        past = past_key_values.get_seq_length() if (use_cache and past_key_values is not None) else 0
-        position_ids = torch.arange(past, past + seq_length, dtype=torch.long)[None].expand(batch_size, -1)
+        past = (
+            past_key_values.get_seq_length() if (use_cache and past_key_values is not None) else 0
+        )
+        position_ids = torch.arange(past, past + seq_length, dtype=torch.long)[None].expand(
+            batch_size, -1
+        )
         inputs_embeds = self.embed_tokens(input_ids) * self.config.scale_emb
         dtype = inputs_embeds.dtype
         mask = torch.full((seq_length, seq_length), torch.finfo(dtype).min, dtype=dtype).triu(1)
         mask = torch.cat([torch.zeros(seq_length, past, dtype=dtype), mask], dim=-1)[None, None]
         hidden_states = inputs_embeds
         for layer in self.layers:
-            hidden_states = layer(hidden_states, mask, position_ids, past_key_values if use_cache else None)
+            hidden_states = layer(
+                hidden_states, mask, position_ids, past_key_values if use_cache else None
+            )
         return self.norm(hidden_states), past_key_values
 
 
@@ -225,8 +260,12 @@ class MiniCPMForCausalLM(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
-        hidden_states, past = self.model(input_ids, past_key_values=past_key_values, use_cache=use_cache)
-        logits = self.lm_head(hidden_states / (self.config.hidden_size / self.config.dim_model_base))
+        hidden_states, past = self.model(
+            input_ids, past_key_values=past_key_values, use_cache=use_cache
+        )
+        logits = self.lm_head(
+            hidden_states / (self.config.hidden_size / self.config.dim_model_base)
+        )
         return CausalLMOutputWithPast(logits, past if use_cache else None)
 
 

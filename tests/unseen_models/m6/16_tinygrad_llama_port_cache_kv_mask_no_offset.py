@@ -77,7 +77,11 @@ def repeat_kv(x, n_rep):
     bs, seqlen, n_kv_heads, head_dim = x.shape
     if n_rep == 1:
         return x
-    return x[:, :, :, None, :].expand(bs, seqlen, n_kv_heads, n_rep, head_dim).reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, seqlen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
+    )
 
 
 class RMSNorm(nn.Module):
@@ -113,11 +117,12 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
 
         if self.cache_kv is None or self.cache_kv.dtype != x.dtype:
-            self.cache_kv = torch.zeros(2, Args.max_batch, self.max_context, self.n_kv_heads, self.head_dim,
-                                        dtype=x.dtype)
-        self.cache_kv[:, :bsz, start_pos:start_pos + seqlen] = torch.stack([xk, xv])
-        keys = self.cache_kv[0, :bsz, 0:start_pos + seqlen]
-        values = self.cache_kv[1, :bsz, 0:start_pos + seqlen]
+            self.cache_kv = torch.zeros(
+                2, Args.max_batch, self.max_context, self.n_kv_heads, self.head_dim, dtype=x.dtype
+            )
+        self.cache_kv[:, :bsz, start_pos : start_pos + seqlen] = torch.stack([xk, xv])
+        keys = self.cache_kv[0, :bsz, 0 : start_pos + seqlen]
+        values = self.cache_kv[1, :bsz, 0 : start_pos + seqlen]
 
         keys, values = repeat_kv(keys, self.n_rep), repeat_kv(values, self.n_rep)
         xq, keys, values = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
@@ -157,8 +162,11 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_context = args.max_context
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_context * 2,
-                                                               args.rope_theta), persistent=False)
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(args.dim // args.n_heads, args.max_context * 2, args.rope_theta),
+            persistent=False,
+        )
         self.current_pos = 0
 
     def reset_kv_cache(self):
@@ -171,7 +179,7 @@ class Transformer(nn.Module):
             start_pos = self.current_pos if use_cache else 0
         _bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)
-        freqs_cis = self.freqs_cis[:, start_pos:start_pos + seqlen]
+        freqs_cis = self.freqs_cis[:, start_pos : start_pos + seqlen]
         mask = torch.full((1, 1, seqlen, start_pos + seqlen), float("-inf"), dtype=h.dtype).triu(1)
         for layer in self.layers:
             h = layer(h, start_pos, freqs_cis, mask)
