@@ -609,3 +609,47 @@ def test_a_static_cache_read_whole_is_read_through_the_slots_it_wrote(slip):
         "rotated_keys",
         "rope_missing",
     ), report.to_text(color=False)
+
+
+class _BareTable(torch.nn.Module):
+    """An embedding held as a bare parameter (TransformerLens' ``W_E``, a TF port's ``wte``)."""
+
+    def __init__(self, rows: int, width: int, how: str):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(rows, width) * 0.5)
+        self.how = how
+
+    def forward(self, ids):
+        if self.how == "index":
+            return self.table[ids, :]
+        if self.how == "embedding":
+            return torch.nn.functional.embedding(ids, self.table)
+        return self.table.index_select(0, ids.flatten()).view(*ids.shape, -1)
+
+
+class _Positions(torch.nn.Module):
+    def __init__(self, rows: int, width: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(rows, width) * 0.1)
+
+    def forward(self, ids):
+        return self.table[torch.arange(ids.shape[-1])]
+
+
+@pytest.mark.parametrize("how", ["index", "embedding", "index_select"])
+def test_a_model_whose_embedding_is_a_bare_parameter_takes_token_ids(how):
+    """No ``nn.Embedding`` anywhere: the vocabulary is the rows of the table the model's
+    first look-up on its input reads (here 100, not the 16 rows of the position table)."""
+
+    def factory():
+        model = _book_gpt()
+        model.pos_emb = _Positions(GPT["context_length"], GPT["emb_dim"])
+        model.tok_emb = _BareTable(GPT["vocab_size"], GPT["emb_dim"], how)
+        return model
+
+    from attnscope.checking.model import token_vocabulary
+
+    assert token_vocabulary(factory()) == GPT["vocab_size"]
+    report = check(factory)
+    assert isinstance(report, ModelReport) and report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == [f"trf_blocks.{i}.att" for i in range(3)]
