@@ -307,6 +307,38 @@ def _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens):
     return out
 
 
+#: calls that project their input with a learned weight
+_PROJECTING = {"linear", "conv1d", "conv2d", "matmul", "__matmul__", "mm", "bmm", "einsum"}
+
+
+def _projected_buffers(rec: Recorder, model: nn.Module) -> list[torch.Tensor]:
+    """Buffers of the model that are data, not tables: made into something (without the
+    input or a parameter on the way) that a learned weight of two or more axes projects
+    (Whisper with its audio built in: a mel buffer through ``conv1``). A mask, a rotary or
+    position table is combined with hidden states, never projected by a weight."""
+    buffers = {id(b): b for b in model.buffers() if b.is_floating_point()}
+    origin: dict[int, set[int]] = {}
+    params: set[int] = set()
+    found: dict[int, torch.Tensor] = {}
+    for op in rec.ops:
+        if op.leaf is not None:
+            if op.leaf.startswith("param:"):
+                params.add(op.index)
+            continue
+        if not op.args:
+            t = rec._alive[op.index]  # the tensor itself (the op keeps a detached alias)
+            if id(t) in buffers:
+                origin[op.index] = {id(t)}
+            continue
+        from_buffers = set().union(*(origin.get(a, set()) for a in op.args))
+        weights = [a for a in op.args if a in params and rec.ops[a].output.dim() >= 2]
+        if from_buffers and weights and op.name in _PROJECTING:
+            found.update({b: buffers[b] for b in from_buffers})
+        elif from_buffers and not any(a in params for a in op.args):
+            origin[op.index] = from_buffers
+    return list(found.values())
+
+
 def _model_width(model: nn.Module) -> int | None:
     for p in model.parameters():
         if p.dim() == 2:
@@ -354,6 +386,13 @@ def check_model(
             )
         raise AttnScopeError(f"{tgt.text}: the model raised on {what} {tuple(x.shape)}: {err}")
     paths = attention_layers(rec, model)
+    data = _projected_buffers(rec, model)
+    if data:  # a second input the model makes inside (Whisper's mel features): one more run
+        leaves.update({id(b): f"input:{i + 1}" for i, b in enumerate(data)})
+        rec = Recorder(leaves, model)
+        with rec:
+            probe_host.call(x)
+        paths = attention_layers(rec, model)
     if not paths:
         raise AttnScopeError(f"{tgt.text}: found no attention layer in the model's computation")
     layers = [model.get_submodule(p) for p in paths]
