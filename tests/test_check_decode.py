@@ -620,3 +620,57 @@ def test_a_model_indexing_the_stand_in_cache_otherwise_is_refused_not_judged():
 
     with pytest.raises(AttnScopeError, match=r"another way.*TypeError.*--decode none"):
         check(make)
+
+
+def _offset_model(bug: str | None):
+    """flash-attention's ``InferenceParams``: a cache object of the model's own module, named
+    for no cache and with no get/update, holding ``offset`` and a dict of per-layer keys and
+    values that the model fills and advances itself."""
+
+    class InferenceState:
+        def __init__(self, n_layers=None, max_batch_size=8):
+            self.offset = 0
+            self.memory = {}
+
+    class OffsetLM(TinyGPT):
+        def forward(self, ids, cache=None):
+            n = ids.shape[1]
+            start = cache.offset if cache is not None else 0
+            at = 0 if bug == "positions" else start
+            x = self.tok(ids) + self.pos(torch.arange(at, at + n))
+            for i, block in enumerate(self.blocks):
+                past = cache.memory.get(i) if cache is not None and start > 0 else None
+                x, kv = block(x, past)
+                if cache is not None:
+                    cache.memory[i] = kv
+            if cache is not None:
+                cache.offset += n
+            return self.head(self.norm(x))
+
+    return InferenceState, OffsetLM
+
+
+@pytest.mark.parametrize("bug", [None, "positions"])
+def test_a_cache_object_of_the_models_module_named_for_no_cache_is_used(monkeypatch, bug):
+    """The class of the model's own module that the model, handed it as ``cache=``, runs with
+    and writes into is its cache, whatever its name and methods (not attnscope's stand-in,
+    whose missing ``offset`` would refuse the model)."""
+    import types
+
+    state, lm = _offset_model(bug)
+    module = types.ModuleType("flash_like_gpt")
+    module.InferenceState, module.OffsetLM = state, lm
+    state.__module__ = lm.__module__ = module.__name__
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    def make():
+        torch.manual_seed(0)
+        return lm()
+
+    report = check(make)
+    assert report.decode is not None and report.decode.protocol == "cache"
+    if bug is None:
+        assert report.ok and report.decode.ok, report.decode.message
+    else:
+        assert all(r.ok for _, r in report.layers)
+        assert (report.decode.mistake, report.decode.step) == ("cache_positions", 0)

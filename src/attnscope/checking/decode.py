@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -300,7 +301,7 @@ def _cache_like(obj, methods: tuple[str, ...] = ("get", "update"), mapping: bool
     return len(required) <= 1 and bool(params)
 
 
-def _cache_class(model: nn.Module) -> type | None:
+def _cache_class(model: nn.Module, layers: int | None = None) -> type | None:
     """The KVCache class the model comes with: one on the model's class, or one its module
     defines or imports (a class named for a cache, made from a layer count alone; one with
     the book's ``get`` and ``update`` first, else one the module itself defines, whatever
@@ -320,7 +321,77 @@ def _cache_class(model: nn.Module) -> type | None:
         for v in named
         if _cache_like(v, (), mapping=True) and v.__module__ == type(model).__module__
     ]
-    return found[0] if found else None
+    return found[0] if found else _used_cache_class(model, layers)
+
+
+#: per model, the class of its own module it was seen to use as its cache (see below)
+_USED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _new_cache(cls: type, n: int):
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "n_layers" in params:
+        return cls(n_layers=n)
+    return cls(n) if params else cls()
+
+
+def _state(obj) -> object:
+    """What a call can change of an object, shallowly: its items, or its attributes (each
+    by identity, with the length of a container and the value of a number)."""
+
+    def of(v):
+        size = len(v) if isinstance(v, (Mapping, list, tuple, set)) else None
+        return (id(v), size, v if isinstance(v, (int, float, bool)) else None)
+
+    if isinstance(obj, Mapping):
+        return {k: of(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [of(v) for v in obj]
+    return {k: of(v) for k, v in vars(obj).items()} if hasattr(obj, "__dict__") else None
+
+
+def _used_cache_class(model: nn.Module, layers: int | None = None) -> type | None:
+    """A class of the model's own module (not one it imports) that the model uses as its
+    cache, whatever it is named and whatever its methods (flash-attention's
+    ``InferenceParams``): made from a layer count alone, passed as the forward's ``cache=``
+    on a short prompt, the call runs and writes into it. Read from what the model does; a
+    name that speaks of a cache only orders the candidates."""
+    if model in _USED:
+        return _USED[model]
+    param = _first(_params(model), _CACHE)
+    module = sys.modules.get(type(model).__module__)
+    own = [
+        v
+        for v in (vars(module).items() if module is not None and param else ())
+        if isinstance(v[1], type)
+        and v[1].__module__ == type(model).__module__
+        and not issubclass(v[1], BaseException)
+        and _cache_like(v[1], (), mapping=True)
+    ]
+    own.sort(key=lambda kv: not ("cache" in kv[0].lower() or "cache" in kv[1].__name__.lower()))
+    n = layers or max([len(m) for m in model.modules() if isinstance(m, nn.ModuleList)] or [1])
+    ids = torch.zeros(2, 3, dtype=torch.long)  # id 0 is in every vocabulary
+    on = {"use_cache": True} if "use_cache" in _params(model) else {}
+    used = None
+    for cls in dict.fromkeys(c for _, c in own):
+        if used is not None:
+            break
+        try:
+            cache = _new_cache(cls, n)
+            before = _state(cache)
+            with torch.no_grad():
+                model(ids, **{param: cache}, **on)
+            if before is not None and _state(cache) != before:
+                used = cls
+        except Exception:  # noqa: BLE001,S112  (not its cache)
+            continue
+        finally:
+            _Driver(model, 0, "cache")._reset()
+    _USED[model] = used
+    return used
 
 
 class KVCache:
@@ -358,7 +429,7 @@ def make_cache(model: nn.Module, layers: int):
     module's); the book's ``llms_from_scratch`` KVCache for a model from that package; else
     :class:`KVCache` (the same interface). Sized by the model's ``cfg["n_layers"]`` where it
     has one, else by the attention layers it runs."""
-    cls = _cache_class(model)
+    cls = _cache_class(model, layers)
     if cls is None and type(model).__module__.startswith("llms_from_scratch"):
         try:
             from llms_from_scratch.kv_cache.utils import KVCache as cls  # noqa: N813
@@ -367,13 +438,7 @@ def make_cache(model: nn.Module, layers: int):
     cls = cls or KVCache
     cfg = getattr(model, "cfg", None)
     n = cfg["n_layers"] if isinstance(cfg, dict) and "n_layers" in cfg else layers
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if "n_layers" in params:
-        return cls(n_layers=n)
-    return cls(n) if params else cls()
+    return _new_cache(cls, n)
 
 
 def _output(result) -> torch.Tensor:

@@ -17,6 +17,7 @@ import re
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import AttnScopeError
 from ..stages import Kind
@@ -30,8 +31,118 @@ from .target import Target, call_safely
 __all__ = ["ModelHost", "check_model", "token_vocabulary"]
 
 
-def token_vocabulary(model: nn.Module) -> int | None:
-    """The vocabulary size of the model's first embedding table (None: it takes vectors)."""
+#: calls that pass token ids on unchanged in value (a cast, a new shape)
+_ID_PASSING = {
+    "view",
+    "reshape",
+    "flatten",
+    "long",
+    "int",
+    "to",
+    "contiguous",
+    "unsqueeze",
+    "squeeze",
+    "clone",
+    "detach",
+    "type",
+    "expand",
+    "__getitem__",
+    "transpose",
+    "t",
+    "permute",
+}
+
+
+class _Found(Exception):
+    pass
+
+
+class _TableLookup(TorchFunctionMode):
+    """Watches a model's first calls on token ids for the one that looks them up in a table:
+    a 2-D floating parameter or buffer of the model indexed by the ids (``W_E[tokens]``,
+    ``F.embedding(tokens, W)``, ``W.index_select(0, tokens)``); its rows are the vocabulary."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor):
+        super().__init__()
+        self.tables = {
+            id(t)
+            for t in (*model.parameters(), *model.buffers())
+            if t.dim() == 2 and t.is_floating_point()
+        }
+        self.ids = {id(ids)}
+        self.keep = [ids]  # alive, so that their ids are not reused
+        self.vocab: int | None = None
+
+    def _is_ids(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.ids
+
+    def _table(self, func, args, kwargs) -> torch.Tensor | None:
+        name = getattr(func, "__name__", "")
+        args = list(args)
+        if name == "embedding" and len(args) >= 2:  # F.embedding(ids, w); torch.embedding(w, ids)
+            a, b = args[0], args[1]
+            if self._is_ids(a) and isinstance(b, torch.Tensor):
+                return b
+            if self._is_ids(b) and isinstance(a, torch.Tensor):
+                return a
+        if name == "__getitem__" and len(args) == 2 and isinstance(args[0], torch.Tensor):
+            index = args[1]
+            first = index[0] if isinstance(index, tuple) and index else index
+            rest = index[1:] if isinstance(index, tuple) else ()
+            whole = all(r is Ellipsis or (isinstance(r, slice) and r == slice(None)) for r in rest)
+            if self._is_ids(first) and whole:
+                return args[0]
+        if name == "index_select":
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            index = args[2] if len(args) > 2 else kwargs.get("index")
+            if dim == 0 and self._is_ids(index) and isinstance(args[0], torch.Tensor):
+                return args[0]
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        table = self._table(func, args, kwargs)
+        if table is not None and id(table) in self.tables:
+            self.vocab = table.shape[0]
+            raise _Found
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if (
+            name in _ID_PASSING
+            and args
+            and self._is_ids(args[0])
+            and isinstance(out, torch.Tensor)
+            and not out.is_floating_point()
+        ):
+            self.ids.add(id(out))
+            self.keep.append(out)
+        return out
+
+
+def _looked_up_vocabulary(model: nn.Module, timeout: float | None) -> int | None:
+    """The vocabulary read from the computation: the rows of the table the model's first
+    look-up on token ids reads (:class:`_TableLookup`); None where it looks none up."""
+    ids = torch.zeros(BATCH, 7, dtype=torch.long)  # id 0 is in every vocabulary
+    watch = _TableLookup(model, ids)
+    extra = {"use_cache": False} if _takes(model, "use_cache") else {}
+    if _required(model, START):
+        extra[START] = 0
+
+    def run():
+        with watch:
+            model(ids, **extra)
+
+    call_safely(run, timeout=timeout)
+    return watch.vocab
+
+
+def token_vocabulary(model: nn.Module, timeout: float | None = None) -> int | None:
+    """The vocabulary size of the table the model looks its input up in, read from what it
+    computes (:func:`_looked_up_vocabulary`); failing that, of its first ``nn.Embedding``
+    (None: it takes vectors)."""
+    found = _looked_up_vocabulary(model, timeout)
+    if found is not None:
+        return found
     for m in model.modules():
         if isinstance(m, nn.Embedding):
             return m.num_embeddings
@@ -196,6 +307,38 @@ def _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens):
     return out
 
 
+#: calls that project their input with a learned weight
+_PROJECTING = {"linear", "conv1d", "conv2d", "matmul", "__matmul__", "mm", "bmm", "einsum"}
+
+
+def _projected_buffers(rec: Recorder, model: nn.Module) -> list[torch.Tensor]:
+    """Buffers of the model that are data, not tables: made into something (without the
+    input or a parameter on the way) that a learned weight of two or more axes projects
+    (Whisper with its audio built in: a mel buffer through ``conv1``). A mask, a rotary or
+    position table is combined with hidden states, never projected by a weight."""
+    buffers = {id(b): b for b in model.buffers() if b.is_floating_point()}
+    origin: dict[int, set[int]] = {}
+    params: set[int] = set()
+    found: dict[int, torch.Tensor] = {}
+    for op in rec.ops:
+        if op.leaf is not None:
+            if op.leaf.startswith("param:"):
+                params.add(op.index)
+            continue
+        if not op.args:
+            t = rec._alive[op.index]  # the tensor itself (the op keeps a detached alias)
+            if id(t) in buffers:
+                origin[op.index] = {id(t)}
+            continue
+        from_buffers = set().union(*(origin.get(a, set()) for a in op.args))
+        weights = [a for a in op.args if a in params and rec.ops[a].output.dim() >= 2]
+        if from_buffers and weights and op.name in _PROJECTING:
+            found.update({b: buffers[b] for b in from_buffers})
+        elif from_buffers and not any(a in params for a in op.args):
+            origin[op.index] = from_buffers
+    return list(found.values())
+
+
 def _model_width(model: nn.Module) -> int | None:
     for p in model.parameters():
         if p.dim() == 2:
@@ -216,7 +359,7 @@ def check_model(
     :data:`.decode.PROTOCOLS`; by default read from the model)."""
     model = tgt.obj
     model.eval()
-    vocab = token_vocabulary(model)
+    vocab = token_vocabulary(model, timeout)
     width = None if vocab is not None else _model_width(model)
     gen = torch.Generator().manual_seed(seed + 2)
     n = tokens or 7
@@ -243,6 +386,13 @@ def check_model(
             )
         raise AttnScopeError(f"{tgt.text}: the model raised on {what} {tuple(x.shape)}: {err}")
     paths = attention_layers(rec, model)
+    data = _projected_buffers(rec, model)
+    if data:  # a second input the model makes inside (Whisper's mel features): one more run
+        leaves.update({id(b): f"input:{i + 1}" for i, b in enumerate(data)})
+        rec = Recorder(leaves, model)
+        with rec:
+            probe_host.call(x)
+        paths = attention_layers(rec, model)
     if not paths:
         raise AttnScopeError(f"{tgt.text}: found no attention layer in the model's computation")
     layers = [model.get_submodule(p) for p in paths]

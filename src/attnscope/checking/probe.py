@@ -867,7 +867,43 @@ class ModuleProbe:
             out, err = self._invoke_layer(x)
         if err is not None:
             raise AttnScopeError(f"{self.tgt.text}: the layer raised where it sits: {err}")
-        return read_structure(rec, self.module)
+        try:
+            return read_structure(rec, self.module)
+        except Unsupported:
+            raise
+        except AttnScopeError:
+            self._refuse_cross_in_model(x, given, where)
+            raise
+
+    def _refuse_cross_in_model(self, x: torch.Tensor, given: list, where: list) -> None:
+        """A model's layer with no attention read from its hidden states alone: where the
+        sequences the model hands it beside them (the encoder's output a decoder's
+        cross-attention reads) make one, its keys and values read another sequence, which
+        a layer checked where it sits does not model yet: exit 2 naming it."""
+        others = [
+            a
+            for i, a in given
+            if i not in where
+            and isinstance(a, torch.Tensor)
+            and a.is_floating_point()
+            and a.dim() == 3
+        ]
+        if not others:
+            return
+        rec = self._recorder(x)
+        rec.leaves.update({id(a): f"input:{k + 1}" for k, a in enumerate(others)})
+        with rec:
+            _, err = self._invoke_layer(x)
+        try:
+            st = read_structure(rec, self.module) if err is None else None
+        except AttnScopeError:
+            return
+        if st is not None and st.cross is not None:
+            raise Unsupported(
+                f"{self.tgt.text}: not supported yet: cross-attention inside a model (its keys "
+                f"and values read another sequence the model hands it, at {st.cross}); check "
+                "its attention layer class with --kind cross instead"
+            )
 
     def _handed_residuals(self, x: torch.Tensor, shape: torch.Size) -> None:
         """Arguments the model hands a layer, shaped as its hidden states, that the layer adds
