@@ -689,6 +689,14 @@ class _Reader:
         if len(projs) != 1:
             return None
         p = projs[0]
+        read = sum(
+            self._read_width(
+                projs, [n for c in cores if (n := getattr(c, f"{r}_node")) is not None]
+            )
+            for r in ("q", "k", "v")
+        )
+        if read == p.width:  # the roles read every column, once: no block to cut
+            return None
         cols = {}
         for role, nodes in (
             ("q", [c.q_node for c in cores]),
@@ -727,16 +735,10 @@ class _Reader:
             if len(others) < len(op.args) and not any(g.tainted[a] for a in others):
                 cut.add(i)
         ends = [i for i in cut if not any(i in ops[j].args for j in cut if j != i)]
-        made = p.op.output.detach().double()
-        rest = [i for i in range(made.dim()) if i not in p.rows]
-        if len(rest) != 1:
+        sorted_ = self._sorted_columns(p)
+        if sorted_ is None:
             return None
-        table = made.movedim(rest[0], -1).reshape(-1, made.shape[rest[0]])
-        column = torch.arange(table.shape[1]).expand_as(table).reshape(-1)
-        by_column = torch.argsort(column, stable=True)
-        values, column = table.reshape(-1)[by_column], column[by_column]
-        order = torch.argsort(values, stable=True)
-        values, column = values[order], column[order]
+        values, column = sorted_
         found: set[int] = set()
         for i in ends:
             if ops[i].stale or not ops[i].output.is_floating_point():
@@ -751,6 +753,24 @@ class _Reader:
                 return None
             found |= set(column[left][plain].tolist())
         return found
+
+    def _sorted_columns(self, p: Projection) -> tuple[T, T] | None:
+        """The projection's output values sorted, with the column each came from (made once
+        per projection: every role's operand is looked up in it)."""
+        cache = self.__dict__.setdefault("_sorted", {})
+        if p.op.index not in cache:
+            made = p.op.output.detach().double()
+            rest = [i for i in range(made.dim()) if i not in p.rows]
+            if len(rest) != 1:
+                cache[p.op.index] = None
+            else:
+                table = made.movedim(rest[0], -1).reshape(-1, made.shape[rest[0]])
+                column = torch.arange(table.shape[1]).expand_as(table).reshape(-1)
+                by_column = torch.argsort(column, stable=True)
+                values, column = table.reshape(-1)[by_column], column[by_column]
+                order = torch.argsort(values, stable=True)
+                cache[p.op.index] = (values[order], column[order])
+        return cache[p.op.index]
 
     def _read_width(self, projs: list[Projection], nodes: list[int]) -> int:
         """Features per row in the given operands, rows counted as the projections make
