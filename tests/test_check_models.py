@@ -828,3 +828,76 @@ def test_a_slip_in_one_cross_attention_layer_is_named(kind, slip, stage, mistake
     failure = report.first_failure
     assert report.first_layer == "decoder.1.cross_attn", report.to_text(color=False)
     assert (failure.stage.value, failure.mistake) == (stage, mistake)
+
+
+def _hf_bart():
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=80,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    return transformers.BartModel(config).eval()
+
+
+class _HFWhisperBuiltinAudio(torch.nn.Module):
+    """Hugging Face's WhisperModel with its mel features built in (token ids in): the bare
+    model takes two inputs (mel features and decoder ids), which a model run on one input
+    does not model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.WhisperConfig(
+            vocab_size=80,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            num_mel_bins=8,
+            max_source_positions=12,
+            max_target_positions=32,
+        )
+        self.whisper = transformers.WhisperModel(config)
+        self.register_buffer("mel", torch.randn(1, 8, 24))
+
+    def forward(self, ids):
+        mel = self.mel.expand(ids.shape[0], -1, -1)
+        out = self.whisper(input_features=mel, decoder_input_ids=ids, use_cache=False)
+        return out.last_hidden_state
+
+
+@pytest.mark.parametrize("kind", [None, "causal-multihead"])
+@pytest.mark.parametrize(
+    ("factory", "prefix", "cross"),
+    [
+        (_hf_bart, "", "encoder_attn"),
+        (lambda: _HFWhisperBuiltinAudio().eval(), "whisper.", "encoder_attn"),
+    ],
+    ids=["bart", "whisper-builtin-audio"],
+)
+def test_hugging_face_encoder_decoder_models_pass(factory, prefix, cross, kind):
+    """Hugging Face's BART and Whisper (small configs, random weights): the encoder's layer,
+    the decoder's causal self-attention and its cross-attention (on the encoder's output the
+    model hands it) each pass with its kind read."""
+    report = check(factory, kind=kind)
+    assert isinstance(report, ModelReport) and report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == [
+        f"{prefix}encoder.layers.0.self_attn",
+        f"{prefix}decoder.layers.0.self_attn",
+        f"{prefix}decoder.layers.0.{cross}",
+    ]
+    assert [r.kind for _, r in report.layers] == ["multihead", "causal-multihead", "cross"]

@@ -900,6 +900,12 @@ class ModuleProbe:
             if key is None:
                 raise
             return self._discover_cross_in_model(x, key)
+        if others and st.cores and "input:0" not in Graph(rec).roots(st.cores[0].k_node):
+            # keys made from something other than its hidden states (read by a fused call
+            # whose operands come from another sequence the model hands it)
+            key = self._cross_argument(x, others)
+            if key is not None:
+                return self._discover_cross_in_model(x, key)
         self._unread_context = self._unread_sequence_in_model(x, out, others)
         return st
 
