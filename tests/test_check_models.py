@@ -710,8 +710,194 @@ def test_the_layers_of_an_input_the_model_builds_inside_are_found():
     assert [r.kind for _, r in report.layers] == ["multihead", "causal-multihead"]
 
 
-def test_cross_attention_inside_a_model_is_refused_naming_it():
-    """Keys and values read from another sequence the model hands a layer are not modelled
-    where the layer sits yet: exit 2 naming it, not a verdict."""
-    with pytest.raises(AttnScopeError, match="cross-attention inside a model"):
-        check(lambda: _BuiltinSource(cross=True).eval(), decode="none")
+def test_cross_attention_inside_a_model_is_checked_where_it_sits():
+    """Keys and values read from another sequence the model hands a layer (the encoder's
+    output, built here from a buffer): the layer is cross-attention, checked where it sits
+    on the sequence the model hands it."""
+    report = check(lambda: _BuiltinSource(cross=True).eval(), decode="none")
+    assert isinstance(report, ModelReport) and report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == ["enc.0", "dec.0", "cross.0"]
+    assert [r.kind for _, r in report.layers] == ["multihead", "causal-multihead", "cross"]
+
+
+class _Seq2SeqAttn(torch.nn.Module):
+    """BART-like attention: ``forward(hidden, memory=None)``; ``slip``: "source" (keys and
+    values from ``hidden`` though handed ``memory``), "scale" (scores divided by head_dim)."""
+
+    def __init__(self, d: int, heads: int, causal: bool = False, slip: str | None = None):
+        super().__init__()
+        self.h, self.causal, self.slip = heads, causal, slip
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            torch.nn.Linear(d, d) for _ in range(4)
+        )
+
+    def forward(self, hidden, memory=None):
+        src = hidden if memory is None or self.slip == "source" else memory
+        b, n, d = hidden.shape
+        hd = d // self.h
+        q = self.q_proj(hidden).view(b, n, self.h, hd).transpose(1, 2)
+        k = self.k_proj(src).view(b, src.shape[1], self.h, hd).transpose(1, 2)
+        v = self.v_proj(src).view(b, src.shape[1], self.h, hd).transpose(1, 2)
+        s = q @ k.transpose(-2, -1) / (hd if self.slip == "scale" else hd**0.5)
+        if self.causal:
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return self.out_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class _Seq2SeqBlock(torch.nn.Module):
+    def __init__(self, d: int, heads: int, decoder: bool, slip: str | None = None):
+        super().__init__()
+        self.self_attn = _Seq2SeqAttn(d, heads, causal=decoder)
+        self.norm1 = torch.nn.LayerNorm(d)
+        self.cross_attn = _Seq2SeqAttn(d, heads, slip=slip) if decoder else None
+        self.norm2 = torch.nn.LayerNorm(d) if decoder else None
+        self.ffn = torch.nn.Sequential(
+            torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d)
+        )
+        self.norm3 = torch.nn.LayerNorm(d)
+
+    def forward(self, x, memory=None):
+        x = x + self.self_attn(self.norm1(x))
+        if self.cross_attn is not None:
+            x = x + self.cross_attn(self.norm2(x), memory=memory)
+        return x + self.ffn(self.norm3(x))
+
+
+class _Seq2Seq(torch.nn.Module):
+    """Token ids in: an encoder over them (bidirectional), a decoder over them (causal
+    self-attention, cross-attention to the encoder's output handed by keyword), logits out.
+    ``slip`` in decoder block 1's cross-attention."""
+
+    def __init__(self, slip: str | None = None, vocab: int = 60, d: int = 32, heads: int = 4):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.enc_pos = torch.nn.Parameter(torch.randn(32, d) * 0.3)
+        self.dec_pos = torch.nn.Parameter(torch.randn(32, d) * 0.3)
+        self.encoder = torch.nn.ModuleList([_Seq2SeqBlock(d, heads, False) for _ in range(2)])
+        self.decoder = torch.nn.ModuleList(
+            [_Seq2SeqBlock(d, heads, True, slip if i == 1 else None) for i in range(2)]
+        )
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        memory = self.embed(ids) + self.enc_pos[:n]
+        for block in self.encoder:
+            memory = block(memory)
+        x = self.embed(ids) + self.dec_pos[:n]
+        for block in self.decoder:
+            x = block(x, memory)
+        return self.head(self.norm(x))
+
+
+_SEQ2SEQ_LAYERS = [
+    "encoder.0.self_attn",
+    "encoder.1.self_attn",
+    "decoder.0.self_attn",
+    "decoder.0.cross_attn",
+    "decoder.1.self_attn",
+    "decoder.1.cross_attn",
+]
+_SEQ2SEQ_KINDS = ["multihead"] * 2 + ["causal-multihead", "cross"] * 2
+
+
+@pytest.mark.parametrize("kind", [None, "causal-multihead"])
+def test_an_encoder_decoder_model_passes_with_every_layer_kind_read(kind):
+    """A correct encoder-decoder model: the encoder's layers are multihead, the decoder's
+    self-attention causal, its cross-attention cross, read from the computation (a model's
+    --kind is its decoder's self-attention layers': the encoder's, whose output the
+    cross-attention reads, are read)."""
+    report = check(lambda: _Seq2Seq().eval(), kind=kind)
+    assert isinstance(report, ModelReport) and report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == _SEQ2SEQ_LAYERS
+    assert [r.kind for _, r in report.layers] == _SEQ2SEQ_KINDS
+    assert report.decode is None  # decoding an encoder-decoder model is not modelled
+
+
+@pytest.mark.parametrize("kind", [None, "causal-multihead"])
+@pytest.mark.parametrize(
+    ("slip", "stage", "mistake"),
+    [("source", "keys", "wrong_source"), ("scale", "scaled_scores", "wrong_scale")],
+)
+def test_a_slip_in_one_cross_attention_layer_is_named(kind, slip, stage, mistake):
+    report = check(lambda: _Seq2Seq(slip).eval(), kind=kind)
+    assert isinstance(report, ModelReport) and not report.ok
+    assert [r.kind for _, r in report.layers] == _SEQ2SEQ_KINDS
+    failure = report.first_failure
+    assert report.first_layer == "decoder.1.cross_attn", report.to_text(color=False)
+    assert (failure.stage.value, failure.mistake) == (stage, mistake)
+
+
+def _hf_bart():
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=80,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    return transformers.BartModel(config).eval()
+
+
+class _HFWhisperBuiltinAudio(torch.nn.Module):
+    """Hugging Face's WhisperModel with its mel features built in (token ids in): the bare
+    model takes two inputs (mel features and decoder ids), which a model run on one input
+    does not model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.WhisperConfig(
+            vocab_size=80,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            num_mel_bins=8,
+            max_source_positions=12,
+            max_target_positions=32,
+        )
+        self.whisper = transformers.WhisperModel(config)
+        self.register_buffer("mel", torch.randn(1, 8, 24))
+
+    def forward(self, ids):
+        mel = self.mel.expand(ids.shape[0], -1, -1)
+        out = self.whisper(input_features=mel, decoder_input_ids=ids, use_cache=False)
+        return out.last_hidden_state
+
+
+@pytest.mark.parametrize("kind", [None, "causal-multihead"])
+@pytest.mark.parametrize(
+    ("factory", "prefix", "cross"),
+    [
+        (_hf_bart, "", "encoder_attn"),
+        (lambda: _HFWhisperBuiltinAudio().eval(), "whisper.", "encoder_attn"),
+    ],
+    ids=["bart", "whisper-builtin-audio"],
+)
+def test_hugging_face_encoder_decoder_models_pass(factory, prefix, cross, kind):
+    """Hugging Face's BART and Whisper (small configs, random weights): the encoder's layer,
+    the decoder's causal self-attention and its cross-attention (on the encoder's output the
+    model hands it) each pass with its kind read."""
+    report = check(factory, kind=kind)
+    assert isinstance(report, ModelReport) and report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == [
+        f"{prefix}encoder.layers.0.self_attn",
+        f"{prefix}decoder.layers.0.self_attn",
+        f"{prefix}decoder.layers.0.{cross}",
+    ]
+    assert [r.kind for _, r in report.layers] == ["multihead", "causal-multihead", "cross"]

@@ -12,12 +12,7 @@ from attnscope import ModelReport, check
 
 #: the first run left these open: each is a strict expected failure, so that the day it is
 #: fixed the test says so and leaves the list
-_OPEN: dict[str, str | tuple[str, str]] = {
-    "06_openai_whisper_builtin_audio_cross_wrong_source": "cross-attention inside a model is "
-    "not modelled where the layer sits yet (the probe would have to hand the layer contexts "
-    "of its own in place of the encoder output the model hands it): refused, exit 2, after "
-    "every layer (the encoder's, run on the mel buffer, among them) is found",
-}
+_OPEN: dict[str, str | tuple[str, str]] = {}
 
 
 def _cases():

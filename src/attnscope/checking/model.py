@@ -307,6 +307,65 @@ def _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens):
     return out
 
 
+def _feeds(host: ModelHost, layer: nn.Module, cross: nn.Module, key) -> bool:
+    """Whether ``layer``'s output reaches the other sequence the model hands the
+    cross-attention layer ``cross`` (in argument ``key``): its output nudged, that sequence
+    moves (an encoder's layer, under a decoder's cross-attention)."""
+    b, n = BATCH, 7
+    x = host.input(b, n)
+    seen: list[torch.Tensor] = []
+
+    def grab(mod, args, kwargs):
+        got = args[key] if isinstance(key, int) and key < len(args) else kwargs.get(key)
+        if isinstance(got, torch.Tensor):
+            seen.append(got.detach().clone())
+
+    g = torch.Generator().manual_seed(host.seed + 31)
+
+    def nudge(mod, args, out):
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            return out + torch.randn(out.shape, generator=g).to(out.dtype)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (out[0] + torch.randn(out[0].shape, generator=g).to(out[0].dtype), *out[1:])
+        return out
+
+    handle = cross.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        _, err = host.call(x)
+        if err is not None or not seen:
+            return False
+        hook = layer.register_forward_hook(nudge)
+        try:
+            _, err = host.call(x)
+        finally:
+            hook.remove()
+    finally:
+        handle.remove()
+    if err is not None or len(seen) < 2 or seen[0].shape != seen[-1].shape:
+        return False
+    return not torch.allclose(seen[0], seen[-1])
+
+
+def _encoder_inferred(reports, probes, layers, tgt, host, seed, timeout, tokens):
+    """A model's --kind is its decoder's: the self-attention layers whose output reaches the
+    other sequence its cross-attention layers read (the encoder's, read from what they
+    compute) are checked with their kind inferred."""
+    cross = [(p.entry.module, p._cross_key) for p in probes if p.cross and p.entry is not None]
+    out = list(reports)
+    for i, ((path, report), layer, probe) in enumerate(zip(reports, layers, probes, strict=True)):
+        if probe.cross or not any(_feeds(host, layer, c, k) for c, k in cross):
+            continue
+        host.path = path
+        sub = Target(layer, f"{tgt.text} {path}", "instance")
+        fresh = ModuleProbe(sub, None, seed, timeout, None, tokens, host=host).run()
+        fresh.kind_reason += (
+            "; inferred: its output is the other sequence the model's cross-attention reads "
+            f"(an encoder's layer), and the model's kind ({report.kind}) is its decoder's"
+        )
+        out[i] = (path, fresh)
+    return out
+
+
 #: calls that project their input with a learned weight
 _PROJECTING = {"linear", "conv1d", "conv2d", "matmul", "__matmul__", "mm", "bmm", "einsum"}
 
@@ -399,11 +458,15 @@ def check_model(
     host = ModelHost(model, "", vocab, width, timeout, layers, seed)
     host.tokens_first = probe_host.tokens_first
     reports: list[tuple[str, CheckReport]] = []
+    probes: list[ModuleProbe] = []
     for path, layer in zip(paths, layers, strict=True):
         host.path = path
         sub = Target(layer, f"{tgt.text} {path}", "instance")
-        report = ModuleProbe(sub, kind, seed, timeout, None, tokens, host=host).run()
-        reports.append((path, report))
+        probe = ModuleProbe(sub, kind, seed, timeout, None, tokens, host=host)
+        reports.append((path, probe.run()))
+        probes.append(probe)
+    if kind is not None and any(p.cross for p in probes):
+        reports = _encoder_inferred(reports, probes, layers, tgt, host, seed, timeout, tokens)
     if kind is None:
         reports = _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens)
     decoded = None

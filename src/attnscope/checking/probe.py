@@ -465,6 +465,11 @@ class ModuleProbe:
         self._second_read = False
         self._context_width = 0
         self._contexts: dict[tuple, torch.Tensor] = {}
+        #: a model's cross-attention layer: the argument the model hands its other sequence
+        #: in (position or keyword)
+        self._cross_key = None
+        #: a model's layer handed another sequence, named as one, that it does not read
+        self._unread_context = None
         self._root_inputs: dict[tuple, torch.Tensor] = {}
         self._root_width = _WEIGHTLESS_WIDTH
         self._cache: dict = {}
@@ -497,8 +502,16 @@ class ModuleProbe:
         self._mask_when_longer(st, binding.d_in, tokens)
         x = torch.randn(BATCH, tokens, binding.d_in, generator=self.gen)
         self.calls = self._probe(x)
+        given = self.kind
+        if self.host is not None and (self.cross or self._unread_context is not None):
+            # a model's --kind is its self-attention layers': this one's is read
+            self.kind = None
         if self.kind is None:
             self.kind, self.kind_reason = self._infer_kind(binding, st, tokens)
+            if given is not None and given != self.kind:
+                self.kind_reason += (
+                    f" (the model's kind, {given}, applies to its self-attention layers)"
+                )
         else:
             self.kind_reason = "given (--kind, or kind= from Python)"
             if self.kind.cross and not self.cross:
@@ -867,43 +880,118 @@ class ModuleProbe:
             out, err = self._invoke_layer(x)
         if err is not None:
             raise AttnScopeError(f"{self.tgt.text}: the layer raised where it sits: {err}")
-        try:
-            return read_structure(rec, self.module)
-        except Unsupported:
-            raise
-        except AttnScopeError:
-            self._refuse_cross_in_model(x, given, where)
-            raise
-
-    def _refuse_cross_in_model(self, x: torch.Tensor, given: list, where: list) -> None:
-        """A model's layer with no attention read from its hidden states alone: where the
-        sequences the model hands it beside them (the encoder's output a decoder's
-        cross-attention reads) make one, its keys and values read another sequence, which
-        a layer checked where it sits does not model yet: exit 2 naming it."""
-        others = [
-            a
+        # the other sequences the model hands it (the encoder's output a decoder's
+        # cross-attention reads), by argument
+        others = {
+            i: a
             for i, a in given
             if i not in where
             and isinstance(a, torch.Tensor)
             and a.is_floating_point()
             and a.dim() == 3
-        ]
+            and a.shape[0] == value.shape[0]
+        }
+        try:
+            st = read_structure(rec, self.module)
+        except Unsupported:
+            raise
+        except AttnScopeError:
+            key = self._cross_argument(x, others)
+            if key is None:
+                raise
+            return self._discover_cross_in_model(x, key)
+        if others and st.cores and "input:0" not in Graph(rec).roots(st.cores[0].k_node):
+            # keys made from something other than its hidden states (read by a fused call
+            # whose operands come from another sequence the model hands it)
+            key = self._cross_argument(x, others)
+            if key is not None:
+                return self._discover_cross_in_model(x, key)
+        self._unread_context = self._unread_sequence_in_model(x, out, others)
+        return st
+
+    def _cross_argument(self, x: torch.Tensor, others: dict):
+        """A model's layer with no attention read from its hidden states alone: the argument
+        (position or keyword) whose sequence its keys and values read, where the sequences
+        the model hands it beside them make one (a decoder's cross-attention reading the
+        encoder's output); None where they make none."""
         if not others:
-            return
+            return None
+        marks = {id(a): f"input:{k + 1}" for k, a in enumerate(others.values())}
         rec = self._recorder(x)
-        rec.leaves.update({id(a): f"input:{k + 1}" for k, a in enumerate(others)})
+        rec.leaves.update(marks)
         with rec:
             _, err = self._invoke_layer(x)
         try:
             st = read_structure(rec, self.module) if err is None else None
         except AttnScopeError:
-            return
-        if st is not None and st.cross is not None:
+            return None
+        if st is None or st.cross is None or not st.roles["k"]:
+            return None
+        g = Graph(rec)
+        read = set().union(*(g.roots(p.input_node) for p in st.roles["k"] + st.roles["v"]))
+        keys = [key for key, a in others.items() if marks[id(a)] in read]
+        if len(keys) != 1:
             raise Unsupported(
-                f"{self.tgt.text}: not supported yet: cross-attention inside a model (its keys "
-                f"and values read another sequence the model hands it, at {st.cross}); check "
-                "its attention layer class with --kind cross instead"
+                f"{self.tgt.text}: not supported yet: cross-attention inside a model whose keys "
+                f"and values read {len(keys)} of the sequences the model hands it (at "
+                f"{st.cross})"
             )
+        return keys[0]
+
+    def _discover_cross_in_model(self, x: torch.Tensor, key) -> Structure:
+        """A model's cross-attention layer: from here on every probe of a size hands it, as
+        its other sequence, the tensor the model hands that argument at that size (marked
+        ``input:1`` in every record), and the reference reads it as the context."""
+        self.cross = True
+        self._cross_key = key
+        ctx = self._context(x)
+        self._context_width = ctx.shape[-1]
+        self._second_read = True
+        rec = self._recorder(x, ctx)
+        with rec:
+            _, err = self._invoke_layer(x)
+        if err is not None:
+            raise AttnScopeError(f"{self.tgt.text}: the layer raised where it sits: {err}")
+        try:
+            return read_structure(rec, self.module)
+        except AttnScopeError as exc:
+            raise type(exc)(f"{self.tgt.text}: {exc}") from None
+
+    def _unread_sequence_in_model(self, x: torch.Tensor, out, others: dict):
+        """A model's layer whose attention reads its hidden states alone, handed another
+        sequence beside them that nothing it computes reads, where that argument's name says
+        it is one (``xa``, ``encoder_hidden_states``): the computation cannot tell a
+        cross-attention layer whose keys read the wrong input from self-attention with an
+        idle argument, the name breaks the tie (as for a layer checked alone). The argument,
+        or None."""
+        if not isinstance(out, torch.Tensor):
+            return None
+
+        def nudge(t):
+            return t + torch.randn(t.shape, generator=self.discovery_gen).to(t.dtype)
+
+        for key in others:
+            name = key if isinstance(key, str) else self._parameter_name(key)
+            if name is None or not _names_a_sequence(name):
+                continue
+            moved, err = self._invoke_layer(x, change=(key, nudge))
+            unread = err is None and moved is not None and moved.shape == out.shape
+            if unread and close(moved.double(), out.double(), rtol=1e-6):
+                return key
+        return None
+
+    def _parameter_name(self, position: int) -> str | None:
+        """The name of the layer's forward parameter at ``position`` (as the model calls it)."""
+        m = self.entry.module if self.entry is not None else self.module
+        try:
+            params = [
+                p
+                for p in inspect.signature(m.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            return None
+        return params[position].name if position < len(params) else None
 
     def _handed_residuals(self, x: torch.Tensor, shape: torch.Size) -> None:
         """Arguments the model hands a layer, shaped as its hidden states, that the layer adds
@@ -1247,6 +1335,16 @@ class ModuleProbe:
         """A layer checked as cross-attention whose keys and values do not read its second
         input: probe it with one all the same (the reference reads it; the layer's output
         then shows the mistake)."""
+        if self.host is not None:  # a model's layer: the sequence the model hands it
+            if self._unread_context is None and self._cross_key is None:
+                raise AttnScopeError(
+                    f"{self.tgt.text}: --kind cross: expected a layer the model hands a second "
+                    "sequence, got one handed only its hidden states"
+                )
+            self._cross_key = self._cross_key if self.cross else self._unread_context
+            self.cross = True
+            self._context_width = self._context(self.calls[0].given.float()).shape[-1]
+            return
         if self.adapter.get("optional_second"):  # forward(x, encoder_hidden_states=None)
             self.adapter["pair"] = True
         if not self.adapter["pair"]:
@@ -1260,7 +1358,22 @@ class ModuleProbe:
     def _context(self, x: torch.Tensor, same_length: bool = False) -> torch.Tensor:
         """Cross-attention's other sequence for a call on ``x``: three tokens longer than
         ``x`` (a key/value read from the wrong input then shows; ``same_length``: as long),
-        the same for every call of that size."""
+        the same for every call of that size. A model's layer gets the one the model hands
+        it at that size (the encoder's output), the very tensor the layer is then called
+        with, so that a recorder that knows it sees the keys read it."""
+        if self.host is not None and self._cross_key is not None:
+            got = self.host.arguments(self.entry.module, *x.shape[:2])
+            if isinstance(got, str):
+                raise AttnScopeError(f"{self.tgt.text}: the model raised before the layer: {got}")
+            args, kwargs = got
+            k = self._cross_key
+            ctx = args[k] if isinstance(k, int) and k < len(args) else kwargs.get(k)
+            if not isinstance(ctx, torch.Tensor):
+                raise AttnScopeError(
+                    f"{self.tgt.text}: the model did not hand the layer its other sequence "
+                    f"({k!r}) for {fmt_shape(x.shape[:2])} tokens"
+                )
+            return ctx
         key = (*x.shape[:-1], same_length)
         if key not in self._contexts:
             extra = 0 if same_length else 3
@@ -1790,6 +1903,11 @@ class ModuleProbe:
     def _unread_sequence_argument(self) -> str | None:
         """The name of a second required input named like another sequence (encoder
         states, a context, memory) that the computation never reads, or None."""
+        if self.host is not None:
+            key = self._unread_context
+            if key is None or self.cross:
+                return None
+            return key if isinstance(key, str) else self._parameter_name(key)
         if not self.adapter["pair"] or self._second_read:
             return None
         return self._second_name()
