@@ -241,6 +241,31 @@ def test_a_full_layer_that_holds_the_models_window_and_says_it_is_not_sliding_pa
     assert windows == [3, None]
 
 
+def test_an_attention_that_adds_its_input_and_norms_the_sum_is_checked_up_to_its_projection():
+    """ALBERT's attention module applies its dense output projection, adds the hidden states
+    and norms the sum: read from the computation, its output is taken at the projection (it
+    had been output/other); its one layer, shared by every depth, is checked once."""
+    make = _hf_model("AlbertConfig", "AlbertModel", embedding_size=16)
+    report = check(make)
+    assert report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == [
+        "encoder.albert_layer_groups.0.albert_layers.0.attention"
+    ]
+
+
+@pytest.mark.parametrize(
+    "config,model,words",
+    [
+        ("MPNetConfig", "MPNetModel", "not ALiBi's"),  # a relative bias handed to each layer
+        ("NystromformerConfig", "NystromformerModel", "convolution over the tokens"),
+    ],
+)
+def test_hugging_face_encoders_with_what_the_reference_lacks_are_refused(config, model, words):
+    with pytest.raises(AttnScopeError, match="not supported yet") as info:
+        check(_hf_model(config, model))
+    assert words in str(info.value)
+
+
 def _weights_not_normalised(self, x):
     """The book's MultiHeadAttention forward with its softmax dropped: masked scores, scaled,
     multiply the values as they are."""

@@ -6,6 +6,7 @@ way to q/k/v, additive attention)."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -167,3 +168,51 @@ def test_additive_attention_is_refused_by_name():
     """Its scores are a per-query term plus a per-key term: no dot product to judge."""
     with pytest.raises(AttnScopeError, match="additive attention"):
         check(lambda: _Additive())
+
+
+class _Landmarks(nn.Module):
+    """Nystromformer's approximation: ``softmax(Q L^T) @ softmax(L L^T) @ softmax(L K^T) @ V``
+    (without the pseudo-inverse), the landmarks L the means of query segments."""
+
+    def __init__(self, d=32, h=4, m=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h, self.dk, self.m = h, d // h, m
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (
+            p(x).view(b, n, self.h, self.dk).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        marks = q[:, :, : n - n % self.m].reshape(b, self.h, self.m, -1, self.dk).mean(-2)
+        k1 = (q @ marks.transpose(-1, -2)).softmax(-1)
+        k2 = (marks @ marks.transpose(-1, -2)).softmax(-1)
+        k3 = (marks @ k.transpose(-1, -2)).softmax(-1)
+        ctx = (k1 @ k2) @ (k3 @ v)
+        return self.o(ctx.transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize("regroup", [False, True])
+def test_weights_made_as_a_product_of_softmax_maps_are_refused_by_name(regroup):
+    """Whichever is seen first names it: the softmax maps multiplied together, or (as
+    Nystromformer groups its products) the landmarks' map times the values, a product
+    over the tokens that leaves no token-by-token weights."""
+    layer = _Landmarks()
+    if regroup:
+        layer.forward = types.MethodType(_landmarks_weights_first, layer)
+    with pytest.raises(AttnScopeError, match="not supported yet") as info:
+        check(lambda: layer, kind="multihead")
+    said = str(info.value)
+    assert "product of softmax maps" in said or "multiplied over the tokens" in said, said
+
+
+def _landmarks_weights_first(self, x):
+    """The same maps, the token-by-token weights made first: ``(k1 @ k2 @ k3) @ V``."""
+    b, n, d = x.shape
+    q, k, v = (p(x).view(b, n, self.h, self.dk).transpose(1, 2) for p in (self.q, self.k, self.v))
+    marks = q[:, :, : n - n % self.m].reshape(b, self.h, self.m, -1, self.dk).mean(-2)
+    k1 = (q @ marks.transpose(-1, -2)).softmax(-1)
+    k2 = (marks @ marks.transpose(-1, -2)).softmax(-1)
+    k3 = (marks @ k.transpose(-1, -2)).softmax(-1)
+    return self.o(((k1 @ k2 @ k3) @ v).transpose(1, 2).reshape(b, n, d))

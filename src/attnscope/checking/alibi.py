@@ -127,6 +127,19 @@ def read_slopes(tensor: T, scores_shape: tuple[int, ...], heads: int) -> T | Non
     return first
 
 
+def is_alibi(tensor: T, scores_shape: tuple[int, ...], heads: int) -> bool:
+    """Whether the bias is, per head, ``slope_h * j`` plus a constant per query row on the
+    keys up to each query (ALiBi, whatever its slopes or sign): not a relative position
+    bias of buckets or learned values (T5's, MPNet's)."""
+    for e in _per_head(tensor, scores_shape, heads):
+        if e.shape[-1] != e.shape[-2] or e.shape[-1] < 3:
+            continue  # a view whose "keys" are the batch or heads: any two points fit a line
+        slopes = _steps(e, heads)
+        if slopes is not None and _fits(e, slopes):
+            return True
+    return False
+
+
 def is_symmetric(tensor: T, scores_shape: tuple[int, ...]) -> bool:
     """Whether the bias falls off after the query as it does before it (``-|i - j|``)."""
     try:

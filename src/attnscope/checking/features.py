@@ -29,15 +29,18 @@ _ROTARY_CALLS = {"view_as_complex", "view_as_real", "polar", "complex"}
 _UNIT_NORMS = {"normalize", "norm", "vector_norm", "linalg_vector_norm"}
 _NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt", "normalize", "norm", "vector_norm"}
 MASKING_OPS = {"masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub"}
-MASKING_OPS |= {"__sub__", "sub_"}
+MASKING_OPS |= {"__sub__", "sub_", "__iadd__", "__isub__"}
 MASKING_OPS |= {"mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
 #: terms added to (or taken from) the scores
-_ADDS = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__", "sub_"}
+_ADDS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "sub_"}
+_ADDS |= {"__isub__"}
 
 
 #: normalisations (a call, or a norm written out): on the context before the output
 #: projection, a step the reference does not have (heads averaged is a mean alone)
 _NORMS = _NORM_CALLS | {"var", "std", "var_mean"}
+#: matrix products
+_MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum"}
 #: convolutions (over the tokens, where wider than one)
 _CONVS = {"conv1d", "conv2d", "conv3d"}
 #: elementwise products that gate a tensor
@@ -202,6 +205,7 @@ class Features:
             self._score_path(core)
             self._gated(core)
             self._convolved(core)
+        self._multiplied_softmaxes()
 
     def _cached(self, core: Core) -> None:
         """Keys or values written in place into a tensor not made from the input (a buffer,
@@ -378,27 +382,27 @@ class Features:
                     return
 
     def _convolved(self, core: Core) -> None:
-        """A convolution wider than one token on the way to the queries, keys or values,
-        inside the layer (Primer's multi-dconv-head attention: a depthwise ``Conv1d`` over
-        the sequence after each projection): each is then a mix of several tokens, which
-        the reference's per-token projections are not."""
-        start = self.s.call.start if self.s.call is not None else 0
-        for node in (core.q_node, core.k_node, core.v_node):
-            if node is None:
+        """A convolution wider than one token inside the layer, before its output projection
+        (Primer's depthwise ``Conv1d`` over the sequence after each projection;
+        Nystromformer's over the values, added to the context): what it makes mixes
+        several tokens, which nothing in the reference does but the weights."""
+        s = self.s
+        start = s.call.start if s.call is not None else 0
+        end = s.call.end if s.call is not None else len(self.ops)
+        if s.out is not None:
+            end = min(end, s.out.op.index)
+        for op in self.ops[start:end]:
+            if op.name not in _CONVS or len(op.args) < 2 or not self.g.tainted[op.args[0]]:
                 continue
-            for i in sorted(self.g.ancestors(node)):
-                op = self.ops[i]
-                if i < start or op.name not in _CONVS or len(op.args) < 2:
-                    continue
-                w = self.ops[op.args[1]].output
-                if w.dim() >= 3 and any(k > 1 for k in w.shape[2:]):
-                    self._unmodelled(
-                        f"a convolution over the tokens ({op.name}, kernel "
-                        f"{tuple(w.shape[2:])}) on the way to the queries, keys or values "
-                        "(Primer's multi-dconv-head attention?)",
-                        op.location,
-                    )
-                    return
+            w = self.ops[op.args[1]].output
+            if w.dim() >= 3 and any(k > 1 for k in w.shape[2:]):
+                self._unmodelled(
+                    f"a convolution over the tokens ({op.name}, kernel {tuple(w.shape[2:])}) "
+                    "inside the attention (Primer's on the queries, keys and values; "
+                    "Nystromformer's on the values, added to the context?)",
+                    op.location,
+                )
+                return
 
     def _unmodelled(self, what: str, where: str | None) -> None:
         if not any(w == what for w, _ in self.s.unmodelled):
@@ -501,6 +505,27 @@ class Features:
                 "added to another: differential attention?)",
                 op.location,
             )
+
+    def _multiplied_softmaxes(self) -> None:
+        """Two maps made by softmaxes multiplied together (Nystromformer's
+        ``softmax(Q L^T) pinv(softmax(L L^T)) softmax(L K^T)``: the softmax approximated
+        through landmarks). What a softmax made is followed up to the next weight (a next
+        layer's projections read a context made by one: they start afresh)."""
+        made: set[int] = set()
+        for op in self.ops:
+            if op.name in ("softmax", "_softmax", "softmax_"):
+                made.add(op.index)
+                continue
+            if not any(a in made for a in op.args) or any(self.g.param[a] for a in op.args):
+                continue
+            if op.name in _MATMULS and sum(a in made for a in set(op.args)) >= 2:
+                self._unmodelled(
+                    "attention weights made as a product of softmax maps (the softmax "
+                    "approximated through landmarks, Nystromformer's?)",
+                    op.location,
+                )
+                return
+            made.add(op.index)
 
     def _score_path(self, core: Core) -> None:
         s = self.s
@@ -650,7 +675,7 @@ class Features:
             return None
         if name in ("mul", "__mul__", "__rmul__", "mul_"):
             return self._judge_hidden(t == 0, "a multiplicative mask")
-        if name in ("sub", "__sub__", "sub_"):
+        if name in ("sub", "__sub__", "sub_", "__isub__"):
             if consts[0][0] == 0:
                 return None  # a tensor minus the scores: the scores negated, not a bias
             t = -t  # the scores minus a tensor: that tensor's negative added

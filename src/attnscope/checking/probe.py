@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import AttnScopeError, describe
 from ..functional import alibi_slopes
 from ..stages import Kind, Stage
-from .alibi import Alibi, is_symmetric, read_slopes
+from .alibi import Alibi, is_alibi, is_symmetric, read_slopes
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
 from .dataflow import LAYOUT_OPS, Graph
@@ -907,6 +907,11 @@ class ModuleProbe:
             if key is not None:
                 return self._discover_cross_in_model(x, key)
         self._unread_context = self._unread_sequence_in_model(x, out, others)
+        # a layer that goes on past its output projection (ALBERT's attention adds its input
+        # and norms the sum): its output is taken at the projection
+        e = self.entry
+        if not (e.tokens_first or e.flat or e.grid is not None):  # ``out`` is what it returned
+            self.exit = self._exit(st, rec, out)
         return st
 
     def _cross_argument(self, x: torch.Tensor, others: dict):
@@ -1716,6 +1721,12 @@ class ModuleProbe:
                 return handed
         if st is None or st.bias is None:
             return None
+        if not is_alibi(st.bias.tensor, st.bias.scores_shape, heads):
+            raise Unsupported(
+                f"{self.tgt.text}: not supported yet: a position bias added to the scores "
+                "that is not ALiBi's, slope x distance per head (a relative position bias of "
+                f"buckets or learned values, T5's or MPNet's?) at {st.bias.location}"
+            )
         seen = read_slopes(st.bias.tensor, st.bias.scores_shape, heads)
         symmetric = is_symmetric(st.bias.tensor, st.bias.scores_shape)
         return Alibi(heads, st.bias.before_scale, seen, symmetric)
