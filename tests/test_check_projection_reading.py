@@ -276,3 +276,40 @@ class _BatchManyChunks(nn.Module):
 def test_chunks_as_many_as_the_batch_in_an_unpacked_layout_are_refused():
     with pytest.raises(AttnScopeError, match="not supported yet"):
         check(_BatchManyChunks, kind="multihead")
+
+
+class _OneSequenceAtATime(torch.nn.Module):
+    """picoGPT's layer over a batch: each sequence alone (``x.unbind(0)``), its fused
+    projection split into per-head lists, attention head by head, ``hstack``, the output
+    projection; the same weights applied once per sequence. ``slip``: a softmax over the
+    queries in every head."""
+
+    def __init__(self, slip=False, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.slip, self.h = slip, heads
+        self.w_attn = torch.nn.Parameter(torch.randn(d, 3 * d) * 0.2)
+        self.b_attn = torch.nn.Parameter(torch.randn(3 * d) * 0.05)
+        self.w_proj = torch.nn.Parameter(torch.randn(d, d) * 0.2)
+
+    def _one(self, x):
+        n = x.shape[0]
+        parts = [p.chunk(self.h, -1) for p in (x @ self.w_attn + self.b_attn).chunk(3, -1)]
+        mask = (1 - torch.ones(n, n).tril()) * -1e10
+        heads = []
+        for q, k, v in zip(*parts, strict=True):
+            s = q @ k.T / math.sqrt(q.shape[-1]) + mask
+            heads.append(s.softmax(0 if self.slip else -1) @ v)
+        return torch.hstack(heads) @ self.w_proj
+
+    def forward(self, x):
+        return torch.stack([self._one(seq) for seq in x.unbind(0)])
+
+
+@pytest.mark.parametrize("slip,want", [(False, ("ok",)), (True, ("weights", "softmax_wrong_dim"))])
+def test_one_weight_applied_to_each_sequence_in_turn_is_one_projection(slip, want):
+    """The batch's sequences are not heads: 4 heads, read from one sequence's operands (the
+    layer had been read as 8 heads, and judged queries/other)."""
+    report = check(lambda: _OneSequenceAtATime(slip), kind="causal-multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    assert report.structure["heads"] == 4

@@ -30,6 +30,12 @@ _OPEN = {
         "its causal mask is built only when the tokens equal the heads: at the probe's length "
         "nothing it computes says decoder",
     ),
+    # round 14's first run (commit e9bef9b): picoGPT's per-sequence, per-head pieces
+    "r14/b01_picogpt_mask_sign_dropped": "a mask of +1e10 in per-sequence, per-head pieces: "
+    "no mutation reproduces it and the pieces are not put together as one masked-scores "
+    "stage (queries/other)",
+    "r14/b28_picogpt_softmax_denominator_unshifted": "a softmax whose denominator is not "
+    "shifted, in per-sequence, per-head pieces (queries/other)",
     "r12/b28_lag_llama_is_causal_tied_to_cache": (
         "inferred",
         "is_causal is False without a cache: nothing it computes says decoder (only its "

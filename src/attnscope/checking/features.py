@@ -299,7 +299,7 @@ class Features:
         ]
 
     def _qk_path(self, role: str, node: int) -> None:
-        stops = {p.op.index for ps in self.s.roles.values() for p in ps}
+        stops = self.s.projection_ops
         path = self._path(node, stops)
         normed = any(op.name in _NORM_CALLS for op in path)
         for op in path:
@@ -411,7 +411,7 @@ class Features:
     def _joined_rows(self, core: Core) -> None:
         """Rows not made from the input joined to the keys or values (``nn.MultiheadAttention``
         with ``add_bias_kv``: a learned bias key and value; ``add_zero_attn``: zeros)."""
-        stops = {p.op.index for ps in self.s.roles.values() for p in ps}
+        stops = self.s.projection_ops
         for role, node in (("keys", core.k_node), ("values", core.v_node)):
             if node is None:
                 continue

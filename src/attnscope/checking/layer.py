@@ -84,6 +84,14 @@ class Structure:
     #: joined to the keys): where no reading and no known mistake explains the output, the
     #: layer is refused naming the first, not given a verdict
     unmodelled: list[tuple[str, str | None]] = field(default_factory=list)
+    #: the projections' ops that ``roles`` does not list: one weight applied again to
+    #: another sequence of the batch (a loop over the sequences), read as the one it is
+    repeats: set[int] = field(default_factory=set)
+
+    @property
+    def projection_ops(self) -> set[int]:
+        """Every op that applied a projection (where the path from the input ends)."""
+        return {p.op.index for ps in self.roles.values() for p in ps} | self.repeats
 
     @property
     def weightless(self) -> bool:

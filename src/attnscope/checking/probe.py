@@ -2195,7 +2195,7 @@ class ModuleProbe:
         b = call.x.shape[0]
         hd = spec.head_dim
         graph = Graph(call.record)
-        stops = {p.op.index for ps in st.roles.values() for p in ps}
+        stops = st.projection_ops
         sides = {}
         for role, word, node, sources in (
             ("q", "queries", core.q_node, [split(q, spec.num_heads)]),

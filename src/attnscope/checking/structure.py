@@ -523,6 +523,12 @@ class _Reader:
                 for p in self._projections_above(node, projs):
                     if all(p.op.index != o.op.index for o in roles[role]):
                         roles[role].append(p)
+        applied = {p.op.index for ps in roles.values() for p in ps}
+        once = {r: _per_sequence_once(ps) for r, ps in roles.items()}
+        # how many sequences each weight was applied to, one by one (1: the batch at once)
+        self.copies = max((len(roles[r]) // max(len(once[r]), 1) for r in roles), default=1)
+        roles = once
+        repeats = applied - {p.op.index for ps in roles.values() for p in ps}
         call = self._layer_call(cores, roles)
         span = (call.start, call.end) if call is not None else (0, len(self.ops))
         if self._sequential(cores):
@@ -563,6 +569,7 @@ class _Reader:
             widths=widths,
             block=self.block,
         )
+        s.repeats = repeats
         s.pre = self._pre(s)
         if shared.get("k") == "q" and shared.get("v") == "q" and head_dim:
             s.cuts = self._cuts(roles["q"], cores, widths, head_dim)
@@ -776,7 +783,8 @@ class _Reader:
         """Features per row in the given operands, rows counted as the projections make
         them (a (B, H, T, hd) operand of a (B, T, 3*d) projection reads H*hd)."""
         rows = projs[0].op.output.numel() // projs[0].width
-        return sum(self.ops[n].output.numel() for n in set(nodes)) // max(rows, 1)
+        read = sum(self.ops[n].output.numel() for n in set(nodes)) // max(rows, 1)
+        return read // max(getattr(self, "copies", 1), 1)  # one sequence's operands
 
     def _shared(self, roles, cores) -> dict[str, str]:
         """Roles cut from the very same call as an earlier role (one combined weight).
@@ -841,7 +849,7 @@ class _Reader:
             return None
         first = found[0]
         later = self.g.descendants(first.op.index)
-        parallel = [p for p in found if p.op.index not in later or p is first]
+        parallel = _per_sequence_once([p for p in found if p.op.index not in later or p is first])
         if len(parallel) == 1 or any(p.w.shape[1] != first.w.shape[1] for p in parallel):
             return first
         w = torch.cat([p.w for p in parallel], dim=0)
@@ -1086,6 +1094,26 @@ _ROLE_WORDS = {
     "v": {"v", "value", "values", "wv"},
     "o": {"o", "out", "output", "wo"},
 }
+
+
+def _per_sequence_once(projs: list[Projection]) -> list[Projection]:
+    """One role's projections, each weight once where it is applied to the sequences of the
+    batch one by one (picoGPT's loop over the batch): applied to each sequence's slice of
+    one input, it is one projection (the first sequence's stands for it)."""
+    if len(projs) < 2 or not all(p.params for p in projs):
+        return projs
+    kept: list[Projection] = []
+    for p in projs:
+        if not any(o.params == p.params and _same_weight(o, p) for o in kept):
+            kept.append(p)
+    return kept
+
+
+def _same_weight(a: Projection, b: Projection) -> bool:
+    """The same weight and bias, value for value (not two slices of one parameter)."""
+    if a.w.shape != b.w.shape or not torch.equal(a.w, b.w):
+        return False
+    return (a.b is None) == (b.b is None) and (a.b is None or torch.equal(a.b, b.b))
 
 
 def role_hint(name: str) -> str | None:

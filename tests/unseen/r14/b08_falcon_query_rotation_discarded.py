@@ -34,7 +34,9 @@ class FalconRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x, position_ids):
-        inv_freq_expanded = self.inv_freq[None, :, None].double().expand(position_ids.shape[0], -1, 1)
+        inv_freq_expanded = (
+            self.inv_freq[None, :, None].double().expand(position_ids.shape[0], -1, 1)
+        )
         position_ids_expanded = position_ids[:, None, :].double()
         freqs = (inv_freq_expanded @ position_ids_expanded).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -141,7 +143,9 @@ class FalconModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.h = nn.ModuleList([FalconDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.h = nn.ModuleList(
+            [FalconDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.rotary_emb = FalconRotaryEmbedding(config)
 
@@ -158,8 +162,14 @@ class FalconModel(nn.Module):
     def forward(self, inputs_embeds, attention_mask=None):
         batch_size, seq_length, _ = inputs_embeds.shape
         if attention_mask is None:
-            attention_mask = torch.ones(batch_size, seq_length, dtype=torch.long, device=inputs_embeds.device)
-        position_ids = torch.arange(seq_length, device=inputs_embeds.device).unsqueeze(0).expand(batch_size, -1)
+            attention_mask = torch.ones(
+                batch_size, seq_length, dtype=torch.long, device=inputs_embeds.device
+            )
+        position_ids = (
+            torch.arange(seq_length, device=inputs_embeds.device)
+            .unsqueeze(0)
+            .expand(batch_size, -1)
+        )
         causal_mask = self._update_causal_mask(attention_mask, inputs_embeds)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds

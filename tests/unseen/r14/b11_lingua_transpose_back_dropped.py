@@ -71,7 +71,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_seqlen = max_seqlen
         self.register_buffer(
-            "freqs_cis", precompute_freqs_cis(dim=head_dim, end=max_seqlen, theta=theta), persistent=False
+            "freqs_cis",
+            precompute_freqs_cis(dim=head_dim, end=max_seqlen, theta=theta),
+            persistent=False,
         )
 
     def forward(self, seqlen: Optional[int] = None, tok_idx: Optional[torch.Tensor] = None):
@@ -164,13 +166,17 @@ class TransformerBlock(nn.Module):
         self.head_dim = args.head_dim or args.dim // args.n_heads
         self.n_heads = args.n_heads or args.dim // args.head_dim
         self.n_kv_heads = args.n_kv_heads or self.n_heads
-        self.attention = Attention(args.dim, self.head_dim, self.n_heads, self.n_kv_heads, args.rope_theta)
+        self.attention = Attention(
+            args.dim, self.head_dim, self.n_heads, self.n_kv_heads, args.rope_theta
+        )
         self.feed_forward = FeedForward(args.dim, 4 * args.dim, args.multiple_of)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(self, x, freq_cis, tok_idx=None, mask=None, attn_impl="sdpa"):
-        h = x + self.attention(self.attention_norm(x), freq_cis, tok_idx=tok_idx, mask=mask, attn_impl=attn_impl)
+        h = x + self.attention(
+            self.attention_norm(x), freq_cis, tok_idx=tok_idx, mask=mask, attn_impl=attn_impl
+        )
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -180,7 +186,9 @@ class BaseTransformer(nn.Module):
         self.dim = args.dim
         self.max_seqlen = args.max_seqlen
         self.rope_embeddings = RotaryEmbedding(
-            theta=args.rope_theta, head_dim=args.head_dim or args.dim // args.n_heads, max_seqlen=args.max_seqlen
+            theta=args.rope_theta,
+            head_dim=args.head_dim or args.dim // args.n_heads,
+            max_seqlen=args.max_seqlen,
         )
         self.layers = nn.ModuleList([TransformerBlock(args) for _ in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)

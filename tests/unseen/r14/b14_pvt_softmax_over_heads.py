@@ -9,7 +9,9 @@ from torch import nn
 
 
 class Mlp(nn.Module):
-    def __init__(self, in_features, hidden_features=None, out_features=None, act_layer=nn.GELU, drop=0.0):
+    def __init__(
+        self, in_features, hidden_features=None, out_features=None, act_layer=nn.GELU, drop=0.0
+    ):
         super().__init__()
         out_features = out_features or in_features
         hidden_features = hidden_features or in_features
@@ -24,8 +26,17 @@ class Mlp(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim, num_heads=8, qkv_bias=False, qk_scale=None, attn_drop=0.0, proj_drop=0.0,
-                 sr_ratio=1, linear=False):
+    def __init__(
+        self,
+        dim,
+        num_heads=8,
+        qkv_bias=False,
+        qk_scale=None,
+        attn_drop=0.0,
+        proj_drop=0.0,
+        sr_ratio=1,
+        linear=False,
+    ):
         super().__init__()
         assert dim % num_heads == 0, f"dim {dim} should be divided by num_heads {num_heads}."
         self.dim = dim
@@ -60,15 +71,27 @@ class Attention(nn.Module):
                 x_ = x.permute(0, 2, 1).reshape(B, C, H, W)
                 x_ = self.sr(x_).reshape(B, C, -1).permute(0, 2, 1)
                 x_ = self.norm(x_)
-                kv = self.kv(x_).reshape(B, -1, 2, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+                kv = (
+                    self.kv(x_)
+                    .reshape(B, -1, 2, self.num_heads, C // self.num_heads)
+                    .permute(2, 0, 3, 1, 4)
+                )
             else:
-                kv = self.kv(x).reshape(B, -1, 2, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+                kv = (
+                    self.kv(x)
+                    .reshape(B, -1, 2, self.num_heads, C // self.num_heads)
+                    .permute(2, 0, 3, 1, 4)
+                )
         else:
             x_ = x.permute(0, 2, 1).reshape(B, C, H, W)
             x_ = self.sr(self.pool(x_)).reshape(B, C, -1).permute(0, 2, 1)
             x_ = self.norm(x_)
             x_ = self.act(x_)
-            kv = self.kv(x_).reshape(B, -1, 2, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+            kv = (
+                self.kv(x_)
+                .reshape(B, -1, 2, self.num_heads, C // self.num_heads)
+                .permute(2, 0, 3, 1, 4)
+            )
         k, v = kv[0], kv[1]
 
         attn = (q @ k.transpose(-2, -1)) * self.scale
@@ -82,11 +105,19 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=False, qk_scale=None, sr_ratio=1, linear=False):
+    def __init__(
+        self, dim, num_heads, mlp_ratio=4.0, qkv_bias=False, qk_scale=None, sr_ratio=1, linear=False
+    ):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_scale=qk_scale,
-                              sr_ratio=sr_ratio, linear=linear)
+        self.attn = Attention(
+            dim,
+            num_heads=num_heads,
+            qkv_bias=qkv_bias,
+            qk_scale=qk_scale,
+            sr_ratio=sr_ratio,
+            linear=linear,
+        )
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio))
 
@@ -102,7 +133,10 @@ class PyramidVisionStage(nn.Module):
     def __init__(self, dim=64, num_heads=4, depth=1, sr_ratio=1, linear=False):
         super().__init__()
         self.block1 = nn.ModuleList(
-            [Block(dim, num_heads, qkv_bias=True, sr_ratio=sr_ratio, linear=linear) for _ in range(depth)]
+            [
+                Block(dim, num_heads, qkv_bias=True, sr_ratio=sr_ratio, linear=linear)
+                for _ in range(depth)
+            ]
         )
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
 

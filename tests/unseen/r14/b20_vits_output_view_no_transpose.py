@@ -33,8 +33,18 @@ class LayerNorm(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, channels, out_channels, n_heads, p_dropout=0.0, window_size=None, heads_share=True,
-                 block_length=None, proximal_bias=False, proximal_init=False):
+    def __init__(
+        self,
+        channels,
+        out_channels,
+        n_heads,
+        p_dropout=0.0,
+        window_size=None,
+        heads_share=True,
+        block_length=None,
+        proximal_bias=False,
+        proximal_init=False,
+    ):
         super().__init__()
         assert channels % n_heads == 0
         assert window_size is None, "relative attention is not part of this port"
@@ -82,7 +92,9 @@ class MultiHeadAttention(nn.Module):
             scores = scores.masked_fill(mask == 0, -1e4)
             if self.block_length is not None:
                 assert t_s == t_t, "Local attention is only available for self-attention."
-                block_mask = torch.ones_like(scores).triu(-self.block_length).tril(self.block_length)
+                block_mask = (
+                    torch.ones_like(scores).triu(-self.block_length).tril(self.block_length)
+                )
                 scores = scores.masked_fill(block_mask == 0, -1e4)
         p_attn = F.softmax(scores, dim=-1)  # [b, n_h, t_t, t_s]
         p_attn = self.drop(p_attn)
@@ -92,7 +104,9 @@ class MultiHeadAttention(nn.Module):
 
 
 class FFN(nn.Module):
-    def __init__(self, in_channels, out_channels, filter_channels, kernel_size, p_dropout=0.0, causal=False):
+    def __init__(
+        self, in_channels, out_channels, filter_channels, kernel_size, p_dropout=0.0, causal=False
+    ):
         super().__init__()
         self.kernel_size = kernel_size
         self.causal = causal
@@ -116,8 +130,16 @@ class FFN(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, hidden_channels, filter_channels, n_heads, n_layers, kernel_size=1, p_dropout=0.0,
-                 window_size=None):
+    def __init__(
+        self,
+        hidden_channels,
+        filter_channels,
+        n_heads,
+        n_layers,
+        kernel_size=1,
+        p_dropout=0.0,
+        window_size=None,
+    ):
         super().__init__()
         self.n_layers = n_layers
         self.drop = nn.Dropout(p_dropout)
@@ -126,11 +148,25 @@ class Encoder(nn.Module):
         self.ffn_layers = nn.ModuleList()
         self.norm_layers_2 = nn.ModuleList()
         for _ in range(n_layers):
-            self.attn_layers.append(MultiHeadAttention(hidden_channels, hidden_channels, n_heads,
-                                                       p_dropout=p_dropout, window_size=window_size))
+            self.attn_layers.append(
+                MultiHeadAttention(
+                    hidden_channels,
+                    hidden_channels,
+                    n_heads,
+                    p_dropout=p_dropout,
+                    window_size=window_size,
+                )
+            )
             self.norm_layers_1.append(LayerNorm(hidden_channels))
-            self.ffn_layers.append(FFN(hidden_channels, hidden_channels, filter_channels, kernel_size,
-                                       p_dropout=p_dropout))
+            self.ffn_layers.append(
+                FFN(
+                    hidden_channels,
+                    hidden_channels,
+                    filter_channels,
+                    kernel_size,
+                    p_dropout=p_dropout,
+                )
+            )
             self.norm_layers_2.append(LayerNorm(hidden_channels))
 
     def forward(self, x, x_mask):
@@ -149,7 +185,9 @@ class Encoder(nn.Module):
 class TextEncoderLite(nn.Module):
     """VITS TextEncoder minus the embedding table and the stats projection: (b, t, c) in and out."""
 
-    def __init__(self, hidden_channels=64, filter_channels=128, n_heads=4, n_layers=1, kernel_size=3):
+    def __init__(
+        self, hidden_channels=64, filter_channels=128, n_heads=4, n_layers=1, kernel_size=3
+    ):
         super().__init__()
         self.hidden_channels = hidden_channels
         self.encoder = Encoder(hidden_channels, filter_channels, n_heads, n_layers, kernel_size)

@@ -33,8 +33,18 @@ class LayerNorm(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, channels, out_channels, n_heads, p_dropout=0.0, window_size=None, heads_share=True,
-                 block_length=None, proximal_bias=False, proximal_init=False):
+    def __init__(
+        self,
+        channels,
+        out_channels,
+        n_heads,
+        p_dropout=0.0,
+        window_size=None,
+        heads_share=True,
+        block_length=None,
+        proximal_bias=False,
+        proximal_init=False,
+    ):
         super().__init__()
         assert channels % n_heads == 0
         assert window_size is None, "relative attention is not part of this port"
@@ -82,17 +92,23 @@ class MultiHeadAttention(nn.Module):
             scores = scores.masked_fill(mask == 0, -1e4)
             if self.block_length is not None:
                 assert t_s == t_t, "Local attention is only available for self-attention."
-                block_mask = torch.ones_like(scores).triu(-self.block_length).tril(self.block_length)
+                block_mask = (
+                    torch.ones_like(scores).triu(-self.block_length).tril(self.block_length)
+                )
                 scores = scores.masked_fill(block_mask == 0, -1e4)
         p_attn = F.softmax(scores, dim=-1)  # [b, n_h, t_t, t_s]
         p_attn = self.drop(p_attn)
         output = torch.matmul(p_attn, value)
-        output = output.transpose(2, 3).contiguous().view(b, d, t_t)  # [b, n_h, t_t, d_k] -> [b, d, t_t]
+        output = (
+            output.transpose(2, 3).contiguous().view(b, d, t_t)
+        )  # [b, n_h, t_t, d_k] -> [b, d, t_t]
         return output, p_attn
 
 
 class FFN(nn.Module):
-    def __init__(self, in_channels, out_channels, filter_channels, kernel_size, p_dropout=0.0, causal=False):
+    def __init__(
+        self, in_channels, out_channels, filter_channels, kernel_size, p_dropout=0.0, causal=False
+    ):
         super().__init__()
         self.kernel_size = kernel_size
         self.causal = causal
@@ -118,8 +134,17 @@ class FFN(nn.Module):
 class CausalDecoder(nn.Module):
     """Glow-TTS/VITS attentions.Decoder with the encoder-decoder attention left out (decoder-only)."""
 
-    def __init__(self, hidden_channels=64, filter_channels=128, n_heads=4, n_layers=1, kernel_size=3,
-                 p_dropout=0.0, proximal_bias=False, proximal_init=True):
+    def __init__(
+        self,
+        hidden_channels=64,
+        filter_channels=128,
+        n_heads=4,
+        n_layers=1,
+        kernel_size=3,
+        p_dropout=0.0,
+        proximal_bias=False,
+        proximal_init=True,
+    ):
         super().__init__()
         self.n_layers = n_layers
         self.drop = nn.Dropout(p_dropout)
@@ -128,12 +153,27 @@ class CausalDecoder(nn.Module):
         self.ffn_layers = nn.ModuleList()
         self.norm_layers_1 = nn.ModuleList()
         for _ in range(n_layers):
-            self.self_attn_layers.append(MultiHeadAttention(hidden_channels, hidden_channels, n_heads,
-                                                            p_dropout=p_dropout, proximal_bias=proximal_bias,
-                                                            proximal_init=proximal_init))
+            self.self_attn_layers.append(
+                MultiHeadAttention(
+                    hidden_channels,
+                    hidden_channels,
+                    n_heads,
+                    p_dropout=p_dropout,
+                    proximal_bias=proximal_bias,
+                    proximal_init=proximal_init,
+                )
+            )
             self.norm_layers_0.append(LayerNorm(hidden_channels))
-            self.ffn_layers.append(FFN(hidden_channels, hidden_channels, filter_channels, kernel_size,
-                                       p_dropout=p_dropout, causal=True))
+            self.ffn_layers.append(
+                FFN(
+                    hidden_channels,
+                    hidden_channels,
+                    filter_channels,
+                    kernel_size,
+                    p_dropout=p_dropout,
+                    causal=True,
+                )
+            )
             self.norm_layers_1.append(LayerNorm(hidden_channels))
 
     def forward(self, x, x_mask):
@@ -164,7 +204,9 @@ class CausalDecoderLite(nn.Module):
 def make_vits_causal_decoder():
     torch.manual_seed(1472)
     model = _nonuniform_norms(CausalDecoderLite())
-    with torch.no_grad():  # proximal_init tied conv_k to conv_q; untie them so queries and keys differ
+    with (
+        torch.no_grad()
+    ):  # proximal_init tied conv_k to conv_q; untie them so queries and keys differ
         attn = model.decoder.self_attn_layers[0]
         attn.conv_k.weight.add_(torch.randn_like(attn.conv_k.weight) * 0.2)
         attn.conv_k.bias.normal_(0.0, 0.1)

@@ -68,8 +68,12 @@ class PicoAttention(nn.Module):
     def __init__(self, n_embd, n_head):
         super().__init__()
         self.n_head = n_head
-        self.c_attn = _param_dict(w=torch.randn(n_embd, 3 * n_embd) * 0.15, b=torch.randn(3 * n_embd) * 0.05)
-        self.c_proj = _param_dict(w=torch.randn(n_embd, n_embd) * 0.15, b=torch.randn(n_embd) * 0.05)
+        self.c_attn = _param_dict(
+            w=torch.randn(n_embd, 3 * n_embd) * 0.15, b=torch.randn(3 * n_embd) * 0.05
+        )
+        self.c_proj = _param_dict(
+            w=torch.randn(n_embd, n_embd) * 0.15, b=torch.randn(n_embd) * 0.05
+        )
 
     def forward(self, x):
         c_attn, c_proj = dict(self.c_attn.items()), dict(self.c_proj.items())
@@ -84,8 +88,12 @@ class PicoBlock(nn.Module):
         self.ln_2 = _param_dict(g=torch.rand(n_embd) + 0.5, b=torch.randn(n_embd) * 0.1)
         self.mlp = nn.ModuleDict(
             {
-                "c_fc": _param_dict(w=torch.randn(n_embd, 4 * n_embd) * 0.1, b=torch.zeros(4 * n_embd)),
-                "c_proj": _param_dict(w=torch.randn(4 * n_embd, n_embd) * 0.1, b=torch.zeros(n_embd)),
+                "c_fc": _param_dict(
+                    w=torch.randn(n_embd, 4 * n_embd) * 0.1, b=torch.zeros(4 * n_embd)
+                ),
+                "c_proj": _param_dict(
+                    w=torch.randn(4 * n_embd, n_embd) * 0.1, b=torch.zeros(n_embd)
+                ),
             }
         )
 

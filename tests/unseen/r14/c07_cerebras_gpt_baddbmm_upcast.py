@@ -62,7 +62,9 @@ class GPT2Attention(nn.Module):
         _, _, k_seq_len, _ = key.size()
         # upcast half precision only; float64 probes stay in float64
         upcast = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-        attn_weights = torch.empty(bsz * num_heads, q_seq_len, k_seq_len, dtype=upcast, device=query.device)
+        attn_weights = torch.empty(
+            bsz * num_heads, q_seq_len, k_seq_len, dtype=upcast, device=query.device
+        )
 
         scale_factor = 1.0
         if self.scale_attn_weights:
@@ -71,7 +73,9 @@ class GPT2Attention(nn.Module):
             scale_factor /= float(self.layer_idx + 1)
 
         q, k = query.reshape(-1, q_seq_len, dk), key.transpose(-1, -2).reshape(-1, dk, k_seq_len)
-        attn_weights = torch.baddbmm(attn_weights, q.to(upcast), k.to(upcast), beta=0, alpha=scale_factor)
+        attn_weights = torch.baddbmm(
+            attn_weights, q.to(upcast), k.to(upcast), beta=0, alpha=scale_factor
+        )
         attn_weights = attn_weights.reshape(bsz, num_heads, q_seq_len, k_seq_len)
 
         query_length, key_length = query.size(-2), key.size(-2)
@@ -98,8 +102,14 @@ class GPT2Attention(nn.Module):
         new_shape = tensor.size()[:-2] + (num_heads * attn_head_size,)
         return tensor.view(new_shape)
 
-    def forward(self, hidden_states, layer_past=None, attention_mask=None, use_cache=False,
-                output_attentions=False):
+    def forward(
+        self,
+        hidden_states,
+        layer_past=None,
+        attention_mask=None,
+        use_cache=False,
+        output_attentions=False,
+    ):
         query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)
         query = self._split_heads(query, self.num_heads, self.head_dim)
         key = self._split_heads(key, self.num_heads, self.head_dim)
@@ -112,7 +122,9 @@ class GPT2Attention(nn.Module):
         present = (key, value) if use_cache else None
 
         if self.reorder_and_upcast_attn:
-            attn_output, attn_weights = self._upcast_and_reordered_attn(query, key, value, attention_mask)
+            attn_output, attn_weights = self._upcast_and_reordered_attn(
+                query, key, value, attention_mask
+            )
         else:
             raise NotImplementedError("only the reordered/upcast path is ported here")
 

@@ -22,33 +22,59 @@ class CrossAttentionLayer(nn.Module):
     def with_pos_embed(self, tensor, pos: Optional[Tensor]):
         return tensor if pos is None else tensor + pos
 
-    def forward_post(self, tgt, memory, memory_mask: Optional[Tensor] = None,
-                     memory_key_padding_mask: Optional[Tensor] = None,
-                     pos: Optional[Tensor] = None, query_pos: Optional[Tensor] = None):
-        tgt2 = self.multihead_attn(query=self.with_pos_embed(tgt, query_pos),
-                                   key=self.with_pos_embed(memory, pos),
-                                   value=memory, attn_mask=memory_mask,
-                                   key_padding_mask=memory_key_padding_mask)[0]
+    def forward_post(
+        self,
+        tgt,
+        memory,
+        memory_mask: Optional[Tensor] = None,
+        memory_key_padding_mask: Optional[Tensor] = None,
+        pos: Optional[Tensor] = None,
+        query_pos: Optional[Tensor] = None,
+    ):
+        tgt2 = self.multihead_attn(
+            query=self.with_pos_embed(tgt, query_pos),
+            key=self.with_pos_embed(memory, pos),
+            value=memory,
+            attn_mask=memory_mask,
+            key_padding_mask=memory_key_padding_mask,
+        )[0]
         tgt = tgt + self.dropout(tgt2)
         tgt = self.norm(tgt)
         return tgt
 
-    def forward_pre(self, tgt, memory, memory_mask: Optional[Tensor] = None,
-                    memory_key_padding_mask: Optional[Tensor] = None,
-                    pos: Optional[Tensor] = None, query_pos: Optional[Tensor] = None):
+    def forward_pre(
+        self,
+        tgt,
+        memory,
+        memory_mask: Optional[Tensor] = None,
+        memory_key_padding_mask: Optional[Tensor] = None,
+        pos: Optional[Tensor] = None,
+        query_pos: Optional[Tensor] = None,
+    ):
         tgt2 = self.norm(tgt)
-        tgt2 = self.multihead_attn(query=self.with_pos_embed(tgt2, query_pos),
-                                   key=self.with_pos_embed(memory, pos),
-                                   value=memory, attn_mask=memory_mask,
-                                   key_padding_mask=memory_key_padding_mask)[0]
+        tgt2 = self.multihead_attn(
+            query=self.with_pos_embed(tgt2, query_pos),
+            key=self.with_pos_embed(memory, pos),
+            value=memory,
+            attn_mask=memory_mask,
+            key_padding_mask=memory_key_padding_mask,
+        )[0]
         tgt = tgt + self.dropout(tgt2)
         return tgt
 
-    def forward(self, tgt, memory, memory_mask: Optional[Tensor] = None,
-                memory_key_padding_mask: Optional[Tensor] = None,
-                pos: Optional[Tensor] = None, query_pos: Optional[Tensor] = None):
+    def forward(
+        self,
+        tgt,
+        memory,
+        memory_mask: Optional[Tensor] = None,
+        memory_key_padding_mask: Optional[Tensor] = None,
+        pos: Optional[Tensor] = None,
+        query_pos: Optional[Tensor] = None,
+    ):
         if self.normalize_before:
-            return self.forward_pre(tgt, memory, memory_mask, memory_key_padding_mask, pos, query_pos)
+            return self.forward_pre(
+                tgt, memory, memory_mask, memory_key_padding_mask, pos, query_pos
+            )
         return self.forward_post(tgt, memory, memory_mask, memory_key_padding_mask, pos, query_pos)
 
 
@@ -85,9 +111,14 @@ class QueryDecoderLite(nn.Module):
         output = queries.transpose(0, 1)  # (Q, B, C)
         src = memory.transpose(0, 1)  # (HW, B, C)
         for i in range(len(self.transformer_cross_attention_layers)):
-            output = self.transformer_cross_attention_layers[i](output, src, memory_mask=None,
-                                                                 memory_key_padding_mask=None,
-                                                                 pos=None, query_pos=None)
+            output = self.transformer_cross_attention_layers[i](
+                output,
+                src,
+                memory_mask=None,
+                memory_key_padding_mask=None,
+                pos=None,
+                query_pos=None,
+            )
             output = self.transformer_ffn_layers[i](output)
         return self.decoder_norm(output).transpose(0, 1)
 

@@ -33,8 +33,18 @@ class LayerNorm(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, channels, out_channels, n_heads, p_dropout=0.0, window_size=None, heads_share=True,
-                 block_length=None, proximal_bias=False, proximal_init=False):
+    def __init__(
+        self,
+        channels,
+        out_channels,
+        n_heads,
+        p_dropout=0.0,
+        window_size=None,
+        heads_share=True,
+        block_length=None,
+        proximal_bias=False,
+        proximal_init=False,
+    ):
         super().__init__()
         assert channels % n_heads == 0
         assert window_size is None, "relative attention is not part of this port"
@@ -82,17 +92,23 @@ class MultiHeadAttention(nn.Module):
             scores = scores.masked_fill(mask == 0, -1e4)
             if self.block_length is not None:
                 assert t_s == t_t, "Local attention is only available for self-attention."
-                block_mask = torch.ones_like(scores).triu(-self.block_length).tril(self.block_length)
+                block_mask = (
+                    torch.ones_like(scores).triu(-self.block_length).tril(self.block_length)
+                )
                 scores = scores.masked_fill(block_mask == 0, -1e4)
         p_attn = F.softmax(scores, dim=-1)  # [b, n_h, t_t, t_s]
         p_attn = self.drop(p_attn)
         output = torch.matmul(p_attn, value)
-        output = output.transpose(2, 3).contiguous().view(b, d, t_t)  # [b, n_h, t_t, d_k] -> [b, d, t_t]
+        output = (
+            output.transpose(2, 3).contiguous().view(b, d, t_t)
+        )  # [b, n_h, t_t, d_k] -> [b, d, t_t]
         return output, p_attn
 
 
 class FFN(nn.Module):
-    def __init__(self, in_channels, out_channels, filter_channels, kernel_size, p_dropout=0.0, causal=False):
+    def __init__(
+        self, in_channels, out_channels, filter_channels, kernel_size, p_dropout=0.0, causal=False
+    ):
         super().__init__()
         self.kernel_size = kernel_size
         self.causal = causal
@@ -126,8 +142,9 @@ class EncDecAttention(nn.Module):
         self.encdec_attn_layers = nn.ModuleList()
         self.norm_layers_1 = nn.ModuleList()
         for _ in range(n_layers):
-            self.encdec_attn_layers.append(MultiHeadAttention(hidden_channels, hidden_channels, n_heads,
-                                                              p_dropout=p_dropout))
+            self.encdec_attn_layers.append(
+                MultiHeadAttention(hidden_channels, hidden_channels, n_heads, p_dropout=p_dropout)
+            )
             self.norm_layers_1.append(LayerNorm(hidden_channels))
 
     def forward(self, x, h, x_mask=None, h_mask=None):

@@ -60,8 +60,16 @@ def split_qkv(qkv, head_dim):
 class SelfAttention(nn.Module):
     ATTENTION_MODES = ("torch", "math")
 
-    def __init__(self, dim, num_heads=8, qkv_bias=False, qk_scale=None, pre_only=False, qk_norm=None,
-                 rmsnorm=False):
+    def __init__(
+        self,
+        dim,
+        num_heads=8,
+        qkv_bias=False,
+        qk_scale=None,
+        pre_only=False,
+        qk_norm=None,
+        rmsnorm=False,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -114,17 +122,28 @@ class Mlp(nn.Module):
 class DismantledBlock(nn.Module):
     """A DiT block with adaLN-Zero style modulation, split so attention can be run outside the block."""
 
-    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0, qkv_bias=False, pre_only=False, qk_norm=None):
+    def __init__(
+        self, hidden_size, num_heads, mlp_ratio=4.0, qkv_bias=False, pre_only=False, qk_norm=None
+    ):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = SelfAttention(dim=hidden_size, num_heads=num_heads, qkv_bias=qkv_bias, pre_only=pre_only,
-                                  qk_norm=qk_norm)
+        self.attn = SelfAttention(
+            dim=hidden_size,
+            num_heads=num_heads,
+            qkv_bias=qkv_bias,
+            pre_only=pre_only,
+            qk_norm=qk_norm,
+        )
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+        self.adaLN_modulation = nn.Sequential(
+            nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True)
+        )
 
     def pre_attention(self, x, c):
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
+            c
+        ).chunk(6, dim=1)
         qkv = self.attn.pre_attention(modulate(self.norm1(x), shift_msa, scale_msa))
         return qkv, (x, gate_msa, shift_mlp, scale_mlp, gate_mlp)
 
@@ -134,7 +153,9 @@ class DismantledBlock(nn.Module):
         return x
 
     def forward(self, x, c):
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
+            c
+        ).chunk(6, dim=1)
         x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
         x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x
@@ -147,7 +168,10 @@ class MMDiTLite(nn.Module):
         super().__init__()
         self.c_embed = nn.Parameter(torch.randn(1, hidden_size))
         self.joint_blocks = nn.ModuleList(
-            [DismantledBlock(hidden_size, num_heads, qkv_bias=True, qk_norm=qk_norm) for _ in range(depth)]
+            [
+                DismantledBlock(hidden_size, num_heads, qkv_bias=True, qk_norm=qk_norm)
+                for _ in range(depth)
+            ]
         )
         self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
 
@@ -163,7 +187,9 @@ def make_mmdit():
     model = MMDiTLite(qk_norm="ln")
     with torch.no_grad():
         for blk in model.joint_blocks:
-            blk.adaLN_modulation[1].weight.normal_(0.0, 0.2)  # not adaLN-Zero: non-trivial shift/scale/gate
+            blk.adaLN_modulation[1].weight.normal_(
+                0.0, 0.2
+            )  # not adaLN-Zero: non-trivial shift/scale/gate
             blk.adaLN_modulation[1].bias.normal_(0.0, 0.3)
             for norm in (blk.attn.ln_q, blk.attn.ln_k):
                 if isinstance(norm, (RMSNorm, nn.LayerNorm)):

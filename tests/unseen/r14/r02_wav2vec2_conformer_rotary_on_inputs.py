@@ -29,7 +29,9 @@ class Wav2Vec2ConformerRotaryPositionalEmbedding(nn.Module):
 
     def forward(self, hidden_states):
         sequence_length = hidden_states.shape[1]
-        time_stamps = torch.arange(sequence_length, dtype=torch.float64, device=hidden_states.device)
+        time_stamps = torch.arange(
+            sequence_length, dtype=torch.float64, device=hidden_states.device
+        )
         freqs = torch.einsum("i,j->ij", time_stamps, self.inv_freq.double())
         embeddings = torch.cat((freqs, freqs), dim=-1)
         cos_embeddings = embeddings.cos()[:, None, None, :]
@@ -54,9 +56,13 @@ class Wav2Vec2ConformerSelfAttention(nn.Module):
         value_states = hidden_states
         if self.position_embeddings_type == "rotary":
             if relative_position_embeddings is None:
-                raise ValueError("`relative_position_embeddings` has to be defined for rotary embeddings")
+                raise ValueError(
+                    "`relative_position_embeddings` has to be defined for rotary embeddings"
+                )
             # the rotation is applied to the layer input, before linear_q / linear_k
-            query_key_states = self._apply_rotary_embedding(query_key_states, relative_position_embeddings)
+            query_key_states = self._apply_rotary_embedding(
+                query_key_states, relative_position_embeddings
+            )
 
         query = self.linear_q(query_key_states).view(batch_size, -1, self.num_heads, self.head_size)
         key = self.linear_k(query_key_states).view(batch_size, -1, self.num_heads, self.head_size)
@@ -68,18 +74,24 @@ class Wav2Vec2ConformerSelfAttention(nn.Module):
             scores = scores + attention_mask
         probs = torch.softmax(scores, dim=-1)
         hidden_states = torch.matmul(probs, value)
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, self.num_heads * self.head_size)
+        hidden_states = hidden_states.transpose(1, 2).reshape(
+            batch_size, -1, self.num_heads * self.head_size
+        )
         return self.linear_out(hidden_states), probs
 
     def _apply_rotary_embedding(self, hidden_states, relative_position_embeddings):
         batch_size, sequence_length, hidden_size = hidden_states.size()
-        hidden_states = hidden_states.view(batch_size, sequence_length, self.num_heads, self.head_size)
+        hidden_states = hidden_states.view(
+            batch_size, sequence_length, self.num_heads, self.head_size
+        )
         cos = relative_position_embeddings[0, :sequence_length, ...]
         sin = relative_position_embeddings[1, :sequence_length, ...]
         hidden_states = hidden_states.transpose(0, 1)  # (time, batch, heads, head_size)
         rotated_states_begin = hidden_states[..., : self.head_size // 2]
         rotated_states_end = hidden_states[..., self.head_size // 2 :]
-        rotated_states = torch.cat((-rotated_states_end, rotated_states_begin), dim=rotated_states_begin.ndim - 1)
+        rotated_states = torch.cat(
+            (-rotated_states_end, rotated_states_begin), dim=rotated_states_begin.ndim - 1
+        )
         hidden_states = (hidden_states * cos) + (rotated_states * sin)
         hidden_states = hidden_states.transpose(0, 1)
         return hidden_states.reshape(batch_size, sequence_length, self.num_heads * self.head_size)
@@ -115,8 +127,11 @@ class Wav2Vec2ConformerEncoderLayer(nn.Module):
         hidden_states = hidden_states * 0.5 + residual
         residual = hidden_states
         hidden_states = self.self_attn_layer_norm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask,
-                                          relative_position_embeddings=relative_position_embeddings)
+        hidden_states, _ = self.self_attn(
+            hidden_states,
+            attention_mask=attention_mask,
+            relative_position_embeddings=relative_position_embeddings,
+        )
         hidden_states = hidden_states + residual
         residual = hidden_states
         hidden_states = self.ffn2(self.ffn2_layer_norm(hidden_states))
@@ -128,13 +143,17 @@ class Wav2Vec2ConformerEncoder(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_positions = Wav2Vec2ConformerRotaryPositionalEmbedding(config)
-        self.layers = nn.ModuleList([Wav2Vec2ConformerEncoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [Wav2Vec2ConformerEncoderLayer(config) for _ in range(config.num_hidden_layers)]
+        )
         self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden_states):
         relative_position_embeddings = self.embed_positions(hidden_states)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, relative_position_embeddings=relative_position_embeddings)
+            hidden_states = layer(
+                hidden_states, relative_position_embeddings=relative_position_embeddings
+            )
         return self.layer_norm(hidden_states)
 
 

@@ -12,7 +12,9 @@ from torch import nn
 class AutoCorrelation(nn.Module):
     """Period-based dependencies from the FFT auto-correlation, aggregated by time-delay rolling."""
 
-    def __init__(self, mask_flag=False, factor=1, scale=None, attention_dropout=0.0, output_attention=False):
+    def __init__(
+        self, mask_flag=False, factor=1, scale=None, attention_dropout=0.0, output_attention=False
+    ):
         super().__init__()
         self.factor = factor
         self.scale = scale
@@ -22,7 +24,11 @@ class AutoCorrelation(nn.Module):
 
     def time_delay_agg_inference(self, values, corr):
         batch, head, channel, length = values.shape
-        init_index = torch.arange(length, device=values.device).view(1, 1, 1, -1).repeat(batch, head, channel, 1)
+        init_index = (
+            torch.arange(length, device=values.device)
+            .view(1, 1, 1, -1)
+            .repeat(batch, head, channel, 1)
+        )
         top_k = max(1, int(self.factor * math.log(length)))
         mean_value = torch.mean(torch.mean(corr, dim=1), dim=1)  # (batch, length)
         weights, delay = torch.topk(mean_value, top_k, dim=-1)
@@ -49,7 +55,9 @@ class AutoCorrelation(nn.Module):
         k_fft = torch.fft.rfft(keys.permute(0, 2, 3, 1).contiguous(), dim=-1)
         res = q_fft * torch.conj(k_fft)
         corr = torch.fft.irfft(res, n=L, dim=-1)
-        V = self.time_delay_agg_inference(values.permute(0, 2, 3, 1).contiguous(), corr).permute(0, 3, 1, 2)
+        V = self.time_delay_agg_inference(values.permute(0, 2, 3, 1).contiguous(), corr).permute(
+            0, 3, 1, 2
+        )
         return V.contiguous(), None
 
 
@@ -137,8 +145,13 @@ class AutoformerEncoderLite(nn.Module):
     def __init__(self, d_model=64, n_heads=4, factor=3):
         super().__init__()
         self.encoder = Encoder(
-            [EncoderLayer(AutoCorrelationLayer(AutoCorrelation(False, factor), d_model, n_heads), d_model,
-                          moving_avg=5)],
+            [
+                EncoderLayer(
+                    AutoCorrelationLayer(AutoCorrelation(False, factor), d_model, n_heads),
+                    d_model,
+                    moving_avg=5,
+                )
+            ],
             norm_layer=nn.LayerNorm(d_model),
         )
 

@@ -41,7 +41,9 @@ class FeedForward(nn.Module):
 
 
 class LinformerSelfAttention(nn.Module):
-    def __init__(self, dim, seq_len, k=16, heads=4, dim_head=None, one_kv_head=False, share_kv=False):
+    def __init__(
+        self, dim, seq_len, k=16, heads=4, dim_head=None, one_kv_head=False, share_kv=False
+    ):
         super().__init__()
         assert (dim % heads) == 0, "dimension must be divisible by the number of heads"
         self.seq_len = seq_len
@@ -62,7 +64,9 @@ class LinformerSelfAttention(nn.Module):
     def forward(self, x, context=None):
         b, n, d, d_h, h, k = *x.shape, self.dim_head, self.heads, self.k
         kv_len = n if context is None else context.shape[1]
-        assert kv_len <= self.seq_len, f"the sequence length of the key / values must be at most {self.seq_len}"
+        assert kv_len <= self.seq_len, (
+            f"the sequence length of the key / values must be at most {self.seq_len}"
+        )
 
         queries = self.to_q(x)
         kv_input = x if context is None else context
@@ -72,7 +76,9 @@ class LinformerSelfAttention(nn.Module):
         # project the sequence axis n -> k (the low-rank step)
         kv_projs = (self.proj_k, self.proj_v if not self.share_kv else self.proj_k)
         kv_projs = map(lambda t: t[:kv_len], kv_projs)
-        keys, values = map(lambda args: torch.einsum("bnd,nk->bkd", *args), zip((keys, values), kv_projs))
+        keys, values = map(
+            lambda args: torch.einsum("bnd,nk->bkd", *args), zip((keys, values), kv_projs)
+        )
 
         queries = queries.reshape(b, n, h, -1).transpose(1, 2)
         merge_key_values = lambda t: t.reshape(b, k, -1, d_h).transpose(1, 2).expand(-1, h, -1, -1)

@@ -101,7 +101,11 @@ class ReformerLite(nn.Module):
     def __init__(self, dim=64, heads=4):
         super().__init__()
         self.attn = PreNorm(nn.LayerNorm, dim, LSHSelfAttention(dim, heads=heads))
-        self.ff = PreNorm(nn.LayerNorm, dim, nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)))
+        self.ff = PreNorm(
+            nn.LayerNorm,
+            dim,
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)),
+        )
 
     def forward(self, x):
         x = x + self.attn(x)

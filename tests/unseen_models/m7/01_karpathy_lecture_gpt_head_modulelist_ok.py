@@ -6,6 +6,7 @@ Blocks live in an nn.Sequential.  The lecture has no cache; this copy gives ever
 cache_k/cache_v tensors that grow by torch.cat, and the model a current_pos counter for the
 position table (book-buffers: reset_kv_cache(), then model(ids, use_cache=True)).
 """
+
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -16,8 +17,17 @@ EXPECT = {
     "layers": ["blocks.0.sa", "blocks.1.sa", "blocks.2.sa"],
     "kind": "causal-multihead",
     "cache": "book-buffers",
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 16, "causal": True, "cross": False,
-                  "rope": None, "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 16,
+        "causal": True,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "Let's-build-GPT lecture gpt.py: Head modules (key/query/value, tril buffer) in a ModuleList inside "
     "MultiHeadAttention with proj, nn.Sequential blocks, wei = q @ k^T * head_size**-0.5; per-Head cat-grown cache",
 }
@@ -55,7 +65,7 @@ class Head(nn.Module):
             k, v = self.cache_k, self.cache_v
         Tk = k.shape[1]
         wei = q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5
-        wei = wei.masked_fill(self.tril[Tk - T:Tk, :Tk] == 0, float("-inf"))
+        wei = wei.masked_fill(self.tril[Tk - T : Tk, :Tk] == 0, float("-inf"))
         wei = F.softmax(wei, dim=-1)
         out = wei @ v
         return out
@@ -78,7 +88,9 @@ class MultiHeadAttention(nn.Module):
 class FeedFoward(nn.Module):
     def __init__(self, n_embd):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.ReLU(), nn.Linear(4 * n_embd, n_embd))
+        self.net = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.ReLU(), nn.Linear(4 * n_embd, n_embd)
+        )
 
     def forward(self, x):
         return self.net(x)

@@ -7,6 +7,7 @@ axis, each head attended separately and the list concatenated.  The cache keeps 
 unsplit, (batch, tokens, n_embd), per block (hf: model(ids, use_cache=True) then
 model(tok, past_key_values=out.past_key_values, use_cache=True)).
 """
+
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -20,8 +21,17 @@ EXPECT = {
     "layers": ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"],
     "kind": "causal-multihead",
     "cache": "hf",
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 20, "causal": True, "cross": False,
-                  "rope": None, "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 20,
+        "causal": True,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "picoGPT gpt2.py port: raw-parameter modules (w (in,out), b; g, b), free functions gelu/softmax/layer_norm/"
     "linear/attention, -1e10 additive mask, heads as a list from split over features, unsplit (b, s, d) past tuples",
 }
@@ -30,7 +40,7 @@ HPARAMS = {"n_vocab": 110, "n_ctx": 64, "n_embd": 80, "n_head": 4, "n_layer": 3}
 
 
 def gelu(x):
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def softmax(x):
@@ -133,13 +143,18 @@ class GPT2(nn.Module):
         self.hparams = dict(hparams)
         self.wte = nn.Parameter(torch.randn(hparams["n_vocab"], hparams["n_embd"]) * 0.5)
         self.wpe = nn.Parameter(torch.randn(hparams["n_ctx"], hparams["n_embd"]) * 0.3)
-        self.blocks = nn.ModuleList([TransformerBlock(hparams["n_embd"], hparams["n_head"]) for _ in range(hparams["n_layer"])])
+        self.blocks = nn.ModuleList(
+            [
+                TransformerBlock(hparams["n_embd"], hparams["n_head"])
+                for _ in range(hparams["n_layer"])
+            ]
+        )
         self.ln_f = Norm(hparams["n_embd"])
 
     def forward(self, inputs, past_key_values=None, use_cache=False):
         offset = 0 if past_key_values is None else past_key_values[0][0].shape[1]
         n = inputs.shape[1]
-        x = self.wte[inputs] + self.wpe[offset:offset + n]
+        x = self.wte[inputs] + self.wpe[offset : offset + n]
         presents = []
         for i, block in enumerate(self.blocks):
             x, present = block(x, None if past_key_values is None else past_key_values[i])

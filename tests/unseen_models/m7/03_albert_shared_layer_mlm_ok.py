@@ -10,6 +10,7 @@ Note: in transformers' AlbertAttention the residual add and LayerNorm sit inside
 module; here they sit in AlbertLayer (attention_layer_norm) so that the attention module returns
 the projected context.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -22,8 +23,17 @@ EXPECT = {
     "layers": ["albert.encoder.albert_layer_groups.0.albert_layers.0.attention"],
     "kind": "multihead",
     "cache": None,
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 16, "causal": False, "cross": False,
-                  "rope": None, "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 16,
+        "causal": False,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "ALBERT: factorised embeddings 32->64, one AlbertLayer shared by all 3 depths (one attention module called 3 "
     "times per forward), query/key/value/dense, additive extended mask, post-norm, MLM predictions head",
 }
@@ -47,17 +57,27 @@ class AlbertEmbeddings(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.embedding_size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.embedding_size)
+        self.position_embeddings = nn.Embedding(
+            config.max_position_embeddings, config.embedding_size
+        )
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.embedding_size)
         self.LayerNorm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
-        self.register_buffer("position_ids", torch.arange(config.max_position_embeddings).expand((1, -1)), persistent=False)
+        self.register_buffer(
+            "position_ids",
+            torch.arange(config.max_position_embeddings).expand((1, -1)),
+            persistent=False,
+        )
 
     def forward(self, input_ids, token_type_ids=None):
         seq_length = input_ids.shape[1]
         position_ids = self.position_ids[:, :seq_length]
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        emb = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
+        emb = (
+            self.word_embeddings(input_ids)
+            + self.token_type_embeddings(token_type_ids)
+            + self.position_embeddings(position_ids)
+        )
         return self.LayerNorm(emb)
 
 
@@ -101,7 +121,9 @@ class AlbertLayer(nn.Module):
         self.activation = nn.GELU(approximate="tanh")
 
     def forward(self, hidden_states, attention_mask=None):
-        attention_output = self.attention_layer_norm(hidden_states + self.attention(hidden_states, attention_mask))
+        attention_output = self.attention_layer_norm(
+            hidden_states + self.attention(hidden_states, attention_mask)
+        )
         ffn_output = self.ffn_output(self.activation(self.ffn(attention_output)))
         return self.full_layer_layer_norm(ffn_output + attention_output)
 
@@ -109,7 +131,9 @@ class AlbertLayer(nn.Module):
 class AlbertLayerGroup(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.albert_layers = nn.ModuleList([AlbertLayer(config) for _ in range(config.inner_group_num)])
+        self.albert_layers = nn.ModuleList(
+            [AlbertLayer(config) for _ in range(config.inner_group_num)]
+        )
 
     def forward(self, hidden_states, attention_mask=None):
         for albert_layer in self.albert_layers:
@@ -122,7 +146,9 @@ class AlbertTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.embedding_hidden_mapping_in = nn.Linear(config.embedding_size, config.hidden_size)
-        self.albert_layer_groups = nn.ModuleList([AlbertLayerGroup(config) for _ in range(config.num_hidden_groups)])
+        self.albert_layer_groups = nn.ModuleList(
+            [AlbertLayerGroup(config) for _ in range(config.num_hidden_groups)]
+        )
 
     def forward(self, hidden_states, attention_mask=None):
         hidden_states = self.embedding_hidden_mapping_in(hidden_states)

@@ -7,6 +7,7 @@ the target is built inside the model by shifting them right behind a BOS id.  No
 ever produced (src_pad_idx = trg_pad_idx = -1), so the masks are the decoder's causal mask only.
 No cache.
 """
+
 import torch
 import torch.nn as nn
 
@@ -31,8 +32,17 @@ EXPECT = {
         "decoder.layers.1.encoder_attention": "cross",
     },
     "cache": None,
-    "structure": {"heads": 4, "kv_heads": 4, "head_dim": 16, "causal": True, "cross": False,
-                  "rope": None, "qk_norm": None, "window": None, "bias": None},
+    "structure": {
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 16,
+        "causal": True,
+        "cross": False,
+        "rope": None,
+        "qk_norm": None,
+        "window": None,
+        "bias": None,
+    },
     "style": "bentrevett pytorch-seq2seq Transformer: Encoder/Decoder/Seq2Seq, MultiHeadAttentionLayer fc_q/fc_k/fc_v/fc_o "
     "called (query, key, value, mask) returning (x, attention), energy / sqrt(head_dim) buffer, -1e10 fill, post-norm; "
     "decoder input = BOS + ids[:, :-1] built inside",
@@ -104,14 +114,19 @@ class Encoder(nn.Module):
         super().__init__()
         self.tok_embedding = nn.Embedding(input_dim, hid_dim)
         self.pos_embedding = nn.Embedding(max_length, hid_dim)
-        self.layers = nn.ModuleList([EncoderLayer(hid_dim, n_heads, pf_dim, dropout) for _ in range(n_layers)])
+        self.layers = nn.ModuleList(
+            [EncoderLayer(hid_dim, n_heads, pf_dim, dropout) for _ in range(n_layers)]
+        )
         self.dropout = nn.Dropout(dropout)
         self.register_buffer("scale", torch.sqrt(torch.tensor([float(hid_dim)])))
 
     def forward(self, src, src_mask):
         batch_size, src_len = src.shape
         pos = torch.arange(0, src_len, device=src.device).unsqueeze(0).repeat(batch_size, 1)
-        src = self.dropout(self.tok_embedding(src) * self.scale.to(self.tok_embedding.weight.dtype) + self.pos_embedding(pos))
+        src = self.dropout(
+            self.tok_embedding(src) * self.scale.to(self.tok_embedding.weight.dtype)
+            + self.pos_embedding(pos)
+        )
         for layer in self.layers:
             src = layer(src, src_mask)
         return src
@@ -142,7 +157,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.tok_embedding = nn.Embedding(output_dim, hid_dim)
         self.pos_embedding = nn.Embedding(max_length, hid_dim)
-        self.layers = nn.ModuleList([DecoderLayer(hid_dim, n_heads, pf_dim, dropout) for _ in range(n_layers)])
+        self.layers = nn.ModuleList(
+            [DecoderLayer(hid_dim, n_heads, pf_dim, dropout) for _ in range(n_layers)]
+        )
         self.fc_out = nn.Linear(hid_dim, output_dim)
         self.dropout = nn.Dropout(dropout)
         self.register_buffer("scale", torch.sqrt(torch.tensor([float(hid_dim)])))
@@ -150,7 +167,10 @@ class Decoder(nn.Module):
     def forward(self, trg, enc_src, trg_mask, src_mask):
         batch_size, trg_len = trg.shape
         pos = torch.arange(0, trg_len, device=trg.device).unsqueeze(0).repeat(batch_size, 1)
-        trg = self.dropout(self.tok_embedding(trg) * self.scale.to(self.tok_embedding.weight.dtype) + self.pos_embedding(pos))
+        trg = self.dropout(
+            self.tok_embedding(trg) * self.scale.to(self.tok_embedding.weight.dtype)
+            + self.pos_embedding(pos)
+        )
         for layer in self.layers:
             trg, attention = layer(trg, enc_src, trg_mask, src_mask)
         return self.fc_out(trg), attention

@@ -6,6 +6,7 @@ norm1/attn/ls1 (LayerScale gamma)/norm2/mlp/ls2 in an nn.Sequential, a cls_token
 learned pos_embed over cls + tokens, final norm and a per-token head (the cls position is dropped
 from the output).  Bidirectional, no cache.  d 96, 6 heads of 16.
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -16,8 +17,17 @@ EXPECT = {
     "layers": ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"],
     "kind": "multihead",
     "cache": None,
-    "structure": {"heads": 6, "kv_heads": 6, "head_dim": 16, "causal": False, "cross": False,
-                  "rope": None, "qk_norm": "per-head", "window": None, "bias": None},
+    "structure": {
+        "heads": 6,
+        "kv_heads": 6,
+        "head_dim": 16,
+        "causal": False,
+        "cross": False,
+        "rope": None,
+        "qk_norm": "per-head",
+        "window": None,
+        "bias": None,
+    },
     "style": "timm vision_transformer.py over token ids: Attention with fused qkv (B,N,3,H,hd) permute, per-head LayerNorm "
     "q_norm/k_norm, q*scale before the product, LayerScale ls1/ls2, cls_token + pos_embed, nn.Sequential blocks",
 }
@@ -31,7 +41,7 @@ class Attention(nn.Module):
         assert dim % num_heads == 0, "dim should be divisible by num_heads"
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()

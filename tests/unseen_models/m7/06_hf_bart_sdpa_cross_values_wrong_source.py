@@ -7,6 +7,7 @@ Attention classes are chosen per layer (config.attn_implementation_per_layer, ea
 Slip: the SDPA cross-attention class (decoder layer 1's encoder_attn) projects the values from
 hidden_states (the decoder stream) instead of key_value_states.  No cache.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +74,12 @@ class BartLearnedPositionalEmbedding(nn.Embedding):
 
     def forward(self, input_ids, past_key_values_length=0):
         bsz, seq_len = input_ids.shape[:2]
-        positions = torch.arange(past_key_values_length, past_key_values_length + seq_len, dtype=torch.long,
-                                 device=self.weight.device).expand(bsz, -1)
+        positions = torch.arange(
+            past_key_values_length,
+            past_key_values_length + seq_len,
+            dtype=torch.long,
+            device=self.weight.device,
+        ).expand(bsz, -1)
         return super().forward(positions + self.offset)
 
 
@@ -84,7 +89,7 @@ class BartAttention(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.is_decoder = is_decoder
         self.is_causal = is_causal
         self.k_proj = nn.Linear(embed_dim, embed_dim)
@@ -129,8 +134,9 @@ class BartSdpaAttention(BartAttention):
         else:
             key_states = self._shape(self.k_proj(hidden_states), -1, bsz)
             value_states = self._shape(self.v_proj(hidden_states), -1, bsz)
-        attn_output = F.scaled_dot_product_attention(query_states, key_states, value_states, attn_mask=attention_mask,
-                                                     scale=self.scaling)
+        attn_output = F.scaled_dot_product_attention(
+            query_states, key_states, value_states, attn_mask=attention_mask, scale=self.scaling
+        )
         attn_output = attn_output.transpose(1, 2).reshape(bsz, tgt_len, self.embed_dim)
         return self.out_proj(attn_output), None
 
@@ -149,7 +155,9 @@ class BartEncoderLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None):
         residual = hidden_states
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask
+        )
         hidden_states = self.self_attn_layer_norm(residual + hidden_states)
         residual = hidden_states
         hidden_states = self.fc2(F.gelu(self.fc1(hidden_states)))
@@ -160,9 +168,13 @@ class BartDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
         self_impl, cross_impl = config.attn_implementation_per_layer[layer_idx]
-        self.self_attn = ATTN_CLASSES[self_impl](config.d_model, config.decoder_attention_heads, is_decoder=True, is_causal=True)
+        self.self_attn = ATTN_CLASSES[self_impl](
+            config.d_model, config.decoder_attention_heads, is_decoder=True, is_causal=True
+        )
         self.self_attn_layer_norm = nn.LayerNorm(config.d_model)
-        self.encoder_attn = ATTN_CLASSES[cross_impl](config.d_model, config.decoder_attention_heads, is_decoder=True)
+        self.encoder_attn = ATTN_CLASSES[cross_impl](
+            config.d_model, config.decoder_attention_heads, is_decoder=True
+        )
         self.encoder_attn_layer_norm = nn.LayerNorm(config.d_model)
         self.fc1 = nn.Linear(config.d_model, config.decoder_ffn_dim)
         self.fc2 = nn.Linear(config.decoder_ffn_dim, config.d_model)
@@ -170,10 +182,14 @@ class BartDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask, encoder_hidden_states):
         residual = hidden_states
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask
+        )
         hidden_states = self.self_attn_layer_norm(residual + hidden_states)
         residual = hidden_states
-        hidden_states, _ = self.encoder_attn(hidden_states=hidden_states, key_value_states=encoder_hidden_states)
+        hidden_states, _ = self.encoder_attn(
+            hidden_states=hidden_states, key_value_states=encoder_hidden_states
+        )
         hidden_states = self.encoder_attn_layer_norm(residual + hidden_states)
         residual = hidden_states
         hidden_states = self.fc2(F.gelu(self.fc1(hidden_states)))
@@ -184,8 +200,12 @@ class BartEncoder(nn.Module):
     def __init__(self, config, embed_tokens):
         super().__init__()
         self.embed_tokens = embed_tokens
-        self.embed_positions = BartLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
-        self.layers = nn.ModuleList([BartEncoderLayer(config) for _ in range(config.encoder_layers)])
+        self.embed_positions = BartLearnedPositionalEmbedding(
+            config.max_position_embeddings, config.d_model
+        )
+        self.layers = nn.ModuleList(
+            [BartEncoderLayer(config) for _ in range(config.encoder_layers)]
+        )
         self.layernorm_embedding = nn.LayerNorm(config.d_model)
 
     def forward(self, input_ids):
@@ -200,8 +220,12 @@ class BartDecoder(nn.Module):
     def __init__(self, config, embed_tokens):
         super().__init__()
         self.embed_tokens = embed_tokens
-        self.embed_positions = BartLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
-        self.layers = nn.ModuleList([BartDecoderLayer(config, i) for i in range(config.decoder_layers)])
+        self.embed_positions = BartLearnedPositionalEmbedding(
+            config.max_position_embeddings, config.d_model
+        )
+        self.layers = nn.ModuleList(
+            [BartDecoderLayer(config, i) for i in range(config.decoder_layers)]
+        )
         self.layernorm_embedding = nn.LayerNorm(config.d_model)
 
     def forward(self, input_ids, encoder_hidden_states):
@@ -209,7 +233,9 @@ class BartDecoder(nn.Module):
         hidden_states = self.embed_tokens(input_ids) + self.embed_positions(input_ids)
         hidden_states = self.layernorm_embedding(hidden_states)
         dtype = hidden_states.dtype
-        causal = torch.full((tgt_len, tgt_len), torch.finfo(dtype).min, device=input_ids.device, dtype=dtype).triu(1)
+        causal = torch.full(
+            (tgt_len, tgt_len), torch.finfo(dtype).min, device=input_ids.device, dtype=dtype
+        ).triu(1)
         causal_mask = causal[None, None].expand(bsz, 1, tgt_len, tgt_len)
         for layer in self.layers:
             hidden_states = layer(hidden_states, causal_mask, encoder_hidden_states)
@@ -225,7 +251,9 @@ class BartModel(nn.Module):
         self.decoder = BartDecoder(config, self.shared)
 
     def forward(self, input_ids):
-        decoder_input_ids = shift_tokens_right(input_ids, self.config.pad_token_id, self.config.decoder_start_token_id)
+        decoder_input_ids = shift_tokens_right(
+            input_ids, self.config.pad_token_id, self.config.decoder_start_token_id
+        )
         encoder_outputs = self.encoder(input_ids)
         return self.decoder(decoder_input_ids, encoder_outputs)
 

@@ -8,6 +8,7 @@ GLU ffn proj_1/proj_2, shared input/output embeddings.  Heads per layer: q 4/4/6
 Slip: layer 1 is built with config.rope_kernel = "pairs": it rotates adjacent pairs
 (rotate_every_two) with the same halves-laid-out cos/sin caches.  No cache.
 """
+
 import math
 
 import torch
@@ -17,7 +18,11 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["transformer.layers.0.attn", "transformer.layers.1.attn", "transformer.layers.2.attn"],
+    "layers": [
+        "transformer.layers.0.attn",
+        "transformer.layers.1.attn",
+        "transformer.layers.2.attn",
+    ],
     "kind": "causal-multihead",
     "cache": None,
     "layer": "transformer.layers.1.attn",
@@ -71,7 +76,9 @@ def _rotate_every_two(x):
 class OpenELMRotaryEmbedding(nn.Module):
     def __init__(self, model_dim, max_seq_length, freq_constant=10000, kernel="halves"):
         super().__init__()
-        inv_freq = 1.0 / (freq_constant ** (torch.arange(0, model_dim, 2, dtype=torch.float32) / model_dim))
+        inv_freq = 1.0 / (
+            freq_constant ** (torch.arange(0, model_dim, 2, dtype=torch.float32) / model_dim)
+        )
         self.model_dim = model_dim
         self.kernel = kernel
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -91,7 +98,11 @@ class OpenELMRotaryEmbedding(nn.Module):
         query_len = query.shape[2]
         cos = self._cached_cos[..., :key_len, :].to(query.dtype)
         sin = self._cached_sin[..., :key_len, :].to(query.dtype)
-        query = self._apply_rotary_pos_emb(query, sin[..., key_len - query_len:key_len, :], cos[..., key_len - query_len:key_len, :])
+        query = self._apply_rotary_pos_emb(
+            query,
+            sin[..., key_len - query_len : key_len, :],
+            cos[..., key_len - query_len : key_len, :],
+        )
         key = self._apply_rotary_pos_emb(key, sin, cos)
         return query, key
 
@@ -104,9 +115,15 @@ class OpenELMMultiHeadCausalAttention(nn.Module):
         q_heads = config.num_query_heads[layer_idx]
         k_heads = config.num_kv_heads[layer_idx]
         v_heads = config.num_kv_heads[layer_idx]
-        self.qkv_proj = nn.Linear(config.model_dim, (q_heads + k_heads + v_heads) * head_dim, bias=False)
-        self.pos_embedding = OpenELMRotaryEmbedding(head_dim, config.rope_max_length, config.rope_freq_constant,
-                                                    kernel=config.rope_kernel[layer_idx])
+        self.qkv_proj = nn.Linear(
+            config.model_dim, (q_heads + k_heads + v_heads) * head_dim, bias=False
+        )
+        self.pos_embedding = OpenELMRotaryEmbedding(
+            head_dim,
+            config.rope_max_length,
+            config.rope_freq_constant,
+            kernel=config.rope_kernel[layer_idx],
+        )
         self.q_norm = OpenELMRMSNorm(head_dim)
         self.k_norm = OpenELMRMSNorm(head_dim)
         self.out_proj = nn.Linear(q_heads * head_dim, config.model_dim, bias=False)
@@ -119,9 +136,16 @@ class OpenELMMultiHeadCausalAttention(nn.Module):
     def forward(self, hidden_states):
         batch_size, seq_length, d_model = hidden_states.size()
         qkv = self.qkv_proj(hidden_states)
-        qkv = qkv.reshape(batch_size, seq_length, self.num_q_heads + self.num_k_heads + self.num_v_heads, self.head_dim)
+        qkv = qkv.reshape(
+            batch_size,
+            seq_length,
+            self.num_q_heads + self.num_k_heads + self.num_v_heads,
+            self.head_dim,
+        )
         qkv = qkv.transpose(1, 2)
-        queries, keys, values = qkv.split([self.num_q_heads, self.num_k_heads, self.num_v_heads], dim=1)
+        queries, keys, values = qkv.split(
+            [self.num_q_heads, self.num_k_heads, self.num_v_heads], dim=1
+        )
         queries = self.q_norm(queries)
         keys = self.k_norm(keys)
         queries, keys = self.pos_embedding(queries, keys)
@@ -144,7 +168,9 @@ def make_divisible(v, divisor=8):
 class OpenELMFeedForwardNetwork(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
-        ffn_dim = make_divisible(config.ffn_multipliers[layer_idx] * config.model_dim, config.ffn_dim_divisor)
+        ffn_dim = make_divisible(
+            config.ffn_multipliers[layer_idx] * config.model_dim, config.ffn_dim_divisor
+        )
         self.proj_1 = nn.Linear(config.model_dim, 2 * ffn_dim, bias=False)
         self.proj_2 = nn.Linear(ffn_dim, config.model_dim, bias=False)
         self.ffn_dim = ffn_dim
@@ -172,7 +198,9 @@ class OpenELMModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.token_embeddings = nn.Embedding(config.vocab_size, config.model_dim)
-        self.layers = nn.ModuleList([OpenELMDecoderLayer(config, i) for i in range(config.num_transformer_layers)])
+        self.layers = nn.ModuleList(
+            [OpenELMDecoderLayer(config, i) for i in range(config.num_transformer_layers)]
+        )
         self.norm = OpenELMRMSNorm(config.model_dim)
 
     def forward(self, input_ids):

@@ -9,6 +9,7 @@ Slip: get_query_key_value_tensors of layer 1 uses the index-slicing variant
 (config.qkv_split = ["split", "slice", "split"]) and its key slice repeats the query slice.
 No cache.
 """
+
 import math
 
 import torch
@@ -18,7 +19,11 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["decoder.layers.0.self_attention", "decoder.layers.1.self_attention", "decoder.layers.2.self_attention"],
+    "layers": [
+        "decoder.layers.0.self_attention",
+        "decoder.layers.1.self_attention",
+        "decoder.layers.2.self_attention",
+    ],
     "kind": "causal-multihead",
     "cache": None,
     "layer": "decoder.layers.1.self_attention",
@@ -66,10 +71,20 @@ class DotProductAttention(nn.Module):
         output_size = (query.size(1), query.size(2), query.size(0), key.size(0))
         query = query.reshape(output_size[2], output_size[0] * output_size[1], -1)
         key = key.reshape(output_size[3], output_size[0] * output_size[1], -1)
-        matmul_input_buffer = torch.zeros(output_size[0] * output_size[1], output_size[2], output_size[3],
-                                          dtype=query.dtype, device=query.device)
-        matmul_result = torch.baddbmm(matmul_input_buffer, query.transpose(0, 1), key.transpose(0, 1).transpose(1, 2),
-                                      beta=0.0, alpha=(1.0 / self.norm_factor))
+        matmul_input_buffer = torch.zeros(
+            output_size[0] * output_size[1],
+            output_size[2],
+            output_size[3],
+            dtype=query.dtype,
+            device=query.device,
+        )
+        matmul_result = torch.baddbmm(
+            matmul_input_buffer,
+            query.transpose(0, 1),
+            key.transpose(0, 1).transpose(1, 2),
+            beta=0.0,
+            alpha=(1.0 / self.norm_factor),
+        )
         attention_scores = matmul_result.view(*output_size)
         attention_scores = attention_scores.masked_fill(attention_mask, -10000.0)
         attention_probs = torch.softmax(attention_scores, dim=-1)
@@ -91,7 +106,9 @@ class SelfAttention(nn.Module):
         self.num_query_groups_per_partition = config.num_query_groups
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = config.kv_channels * config.num_query_groups
-        self.linear_qkv = nn.Linear(config.hidden_size, self.query_projection_size + 2 * self.kv_projection_size, bias=True)
+        self.linear_qkv = nn.Linear(
+            config.hidden_size, self.query_projection_size + 2 * self.kv_projection_size, bias=True
+        )
         self.core_attention = DotProductAttention(config)
         self.linear_proj = nn.Linear(self.query_projection_size, config.hidden_size, bias=True)
         self.split_kind = config.qkv_split[layer_number - 1]
@@ -100,7 +117,10 @@ class SelfAttention(nn.Module):
         mixed_qkv = self.linear_qkv(hidden_states)
         np_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         hn = self.hidden_size_per_attention_head
-        new_tensor_shape = mixed_qkv.size()[:-1] + (self.num_query_groups_per_partition, (np_per_group + 2) * hn)
+        new_tensor_shape = mixed_qkv.size()[:-1] + (
+            self.num_query_groups_per_partition,
+            (np_per_group + 2) * hn,
+        )
         mixed_qkv = mixed_qkv.view(*new_tensor_shape)
         if self.split_kind == "split":
             query, key, value = torch.split(mixed_qkv, [np_per_group * hn, hn, hn], dim=3)
@@ -108,7 +128,7 @@ class SelfAttention(nn.Module):
             q_end = np_per_group * hn
             query = mixed_qkv[..., 0:q_end]
             key = mixed_qkv[..., 0:hn]
-            value = mixed_qkv[..., q_end + hn:q_end + 2 * hn]
+            value = mixed_qkv[..., q_end + hn : q_end + 2 * hn]
         query = query.reshape(query.size(0), query.size(1), -1, hn)
         return query, key, value
 
@@ -139,7 +159,9 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask):
         residual = hidden_states
-        hidden_states = residual + self.self_attention(self.input_layernorm(hidden_states), attention_mask)
+        hidden_states = residual + self.self_attention(
+            self.input_layernorm(hidden_states), attention_mask
+        )
         residual = hidden_states
         return residual + self.mlp(self.pre_mlp_layernorm(hidden_states))
 
@@ -147,7 +169,9 @@ class TransformerLayer(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.layers = nn.ModuleList([TransformerLayer(config, i + 1) for i in range(config.num_layers)])
+        self.layers = nn.ModuleList(
+            [TransformerLayer(config, i + 1) for i in range(config.num_layers)]
+        )
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
 
     def forward(self, hidden_states, attention_mask):
@@ -169,7 +193,9 @@ class GPTModel(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, -1)
         if attention_mask is None:
-            attention_mask = torch.triu(torch.ones(s, s, device=input_ids.device, dtype=torch.bool), diagonal=1)[None, None]
+            attention_mask = torch.triu(
+                torch.ones(s, s, device=input_ids.device, dtype=torch.bool), diagonal=1
+            )[None, None]
         hidden = self.decoder(self.embedding(input_ids, position_ids), attention_mask)
         return self.output_layer(hidden).transpose(0, 1).contiguous()  # [b, s, v]
 

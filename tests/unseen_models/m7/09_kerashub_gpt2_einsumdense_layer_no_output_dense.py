@@ -10,6 +10,7 @@ _query_dense/_key_dense/_value_dense kernel (d, H, hd) + bias (H, hd), _output_d
 whose _compute_attention override returns the merged heads and the call skips _output_dense
 (the kernel exists and is initialised).  No cache.
 """
+
 import math
 
 import torch
@@ -19,8 +20,11 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["transformer_layer_0._self_attention_layer", "transformer_layer_1._self_attention_layer",
-               "transformer_layer_2._self_attention_layer"],
+    "layers": [
+        "transformer_layer_0._self_attention_layer",
+        "transformer_layer_1._self_attention_layer",
+        "transformer_layer_2._self_attention_layer",
+    ],
     "kind": "causal-multihead",
     "cache": None,
     "layer": "transformer_layer_2._self_attention_layer",
@@ -56,16 +60,26 @@ class CachedMultiHeadAttention(nn.Module):
         self._num_heads = num_heads
         self._key_dim = key_dim
         self._inverse_sqrt_key_dim = 1.0 / math.sqrt(float(key_dim))
-        self._query_dense = EinsumDense("abc,cde->abde", (hidden_dim, num_heads, key_dim), (num_heads, key_dim))
-        self._key_dense = EinsumDense("abc,cde->abde", (hidden_dim, num_heads, key_dim), (num_heads, key_dim))
-        self._value_dense = EinsumDense("abc,cde->abde", (hidden_dim, num_heads, key_dim), (num_heads, key_dim))
-        self._output_dense = EinsumDense("abcd,cde->abe", (num_heads, key_dim, hidden_dim), (hidden_dim,))
+        self._query_dense = EinsumDense(
+            "abc,cde->abde", (hidden_dim, num_heads, key_dim), (num_heads, key_dim)
+        )
+        self._key_dense = EinsumDense(
+            "abc,cde->abde", (hidden_dim, num_heads, key_dim), (num_heads, key_dim)
+        )
+        self._value_dense = EinsumDense(
+            "abc,cde->abde", (hidden_dim, num_heads, key_dim), (num_heads, key_dim)
+        )
+        self._output_dense = EinsumDense(
+            "abcd,cde->abe", (num_heads, key_dim, hidden_dim), (hidden_dim,)
+        )
         self._softmax = MaskedSoftmax()
 
     def _compute_attention(self, query, key, value, attention_mask=None):
         query = query * self._inverse_sqrt_key_dim
         attention_scores = torch.einsum("aecd,abcd->acbe", key, query)
-        attention_scores = self._softmax(attention_scores, attention_mask[:, None] if attention_mask is not None else None)
+        attention_scores = self._softmax(
+            attention_scores, attention_mask[:, None] if attention_mask is not None else None
+        )
         attention_output = torch.einsum("acbe,aecd->abcd", attention_scores, value)
         return attention_output, attention_scores
 
@@ -104,7 +118,14 @@ def compute_causal_mask(batch_size, input_length, output_length, cache_index=0, 
 
 
 class TransformerDecoder(nn.Module):
-    def __init__(self, intermediate_dim, num_heads, hidden_dim, layer_norm_epsilon=1e-5, attention_cls=CachedMultiHeadAttention):
+    def __init__(
+        self,
+        intermediate_dim,
+        num_heads,
+        hidden_dim,
+        layer_norm_epsilon=1e-5,
+        attention_cls=CachedMultiHeadAttention,
+    ):
         super().__init__()
         self._self_attention_layer_norm = nn.LayerNorm(hidden_dim, eps=layer_norm_epsilon)
         self._self_attention_layer = attention_cls(num_heads, hidden_dim // num_heads, hidden_dim)
@@ -121,20 +142,38 @@ class TransformerDecoder(nn.Module):
         x = x + residual
         residual = x
         x = self._feedforward_layer_norm(x)
-        x = self._feedforward_output_dense(F.gelu(self._feedforward_intermediate_dense(x), approximate="tanh"))
+        x = self._feedforward_output_dense(
+            F.gelu(self._feedforward_intermediate_dense(x), approximate="tanh")
+        )
         return x + residual
 
 
 class GPT2Backbone(nn.Module):
-    def __init__(self, vocabulary_size=115, num_layers=3, num_heads=4, hidden_dim=64, intermediate_dim=256,
-                 max_sequence_length=64, ported_layers=(2,)):
+    def __init__(
+        self,
+        vocabulary_size=115,
+        num_layers=3,
+        num_heads=4,
+        hidden_dim=64,
+        intermediate_dim=256,
+        max_sequence_length=64,
+        ported_layers=(2,),
+    ):
         super().__init__()
         self.num_layers = num_layers
         self.token_embedding = nn.Embedding(vocabulary_size, hidden_dim)
         self.position_embedding = nn.Embedding(max_sequence_length, hidden_dim)
         for i in range(num_layers):
-            cls = MergedHeadsCachedMultiHeadAttention if i in ported_layers else CachedMultiHeadAttention
-            setattr(self, f"transformer_layer_{i}", TransformerDecoder(intermediate_dim, num_heads, hidden_dim, attention_cls=cls))
+            cls = (
+                MergedHeadsCachedMultiHeadAttention
+                if i in ported_layers
+                else CachedMultiHeadAttention
+            )
+            setattr(
+                self,
+                f"transformer_layer_{i}",
+                TransformerDecoder(intermediate_dim, num_heads, hidden_dim, attention_cls=cls),
+            )
         self.layer_norm = nn.LayerNorm(hidden_dim, eps=1e-5)
 
     def forward(self, token_ids):

@@ -12,6 +12,7 @@ Slip: layer 2's CoreAttention is the "packed" variant whose cu_seqlens is [0, to
 flattened batch is one causal segment, so the second sequence attends to the first's tokens.
 No cache.
 """
+
 import math
 
 import torch
@@ -21,7 +22,11 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["model.decoder.0.pp_block.attn", "model.decoder.1.pp_block.attn", "model.decoder.2.pp_block.attn"],
+    "layers": [
+        "model.decoder.0.pp_block.attn",
+        "model.decoder.1.pp_block.attn",
+        "model.decoder.2.pp_block.attn",
+    ],
     "kind": "causal-multihead",
     "cache": None,
     "layer": "model.decoder.2.pp_block.attn",
@@ -116,7 +121,9 @@ class CoreAttention(nn.Module):
 
     def forward(self, query_states, key_states, value_states, q_sequence_mask, kv_sequence_mask):
         cu_seqlens = self.cu_seqlens_from_mask(q_sequence_mask)
-        return varlen_causal_attention(query_states, key_states, value_states, cu_seqlens, softmax_scale=self.d_qk ** -0.5)
+        return varlen_causal_attention(
+            query_states, key_states, value_states, cu_seqlens, softmax_scale=self.d_qk**-0.5
+        )
 
 
 class PackedCoreAttention(CoreAttention):
@@ -133,10 +140,18 @@ class CausalSelfAttention(nn.Module):
         self.d_qk = config.hidden_size // config.num_attention_heads
         self.d_v = self.d_qk
         self.d_model = config.hidden_size
-        self.qkv_proj = nn.Linear(self.d_model, (self.n_local_q_heads + 2 * self.n_local_kv_heads) * self.d_qk, bias=False)
-        self.rotary_embedding = RotaryEmbedding(self.d_qk, config.max_position_embeddings, config.rope_theta)
+        self.qkv_proj = nn.Linear(
+            self.d_model, (self.n_local_q_heads + 2 * self.n_local_kv_heads) * self.d_qk, bias=False
+        )
+        self.rotary_embedding = RotaryEmbedding(
+            self.d_qk, config.max_position_embeddings, config.rope_theta
+        )
         self.o_proj = nn.Linear(self.n_local_q_heads * self.d_v, self.d_model, bias=False)
-        core_cls = PackedCoreAttention if layer_idx in config.packed_core_attention_layers else CoreAttention
+        core_cls = (
+            PackedCoreAttention
+            if layer_idx in config.packed_core_attention_layers
+            else CoreAttention
+        )
         self.attention = core_cls(config)
 
     def forward(self, hidden_states, sequence_mask):
@@ -144,21 +159,45 @@ class CausalSelfAttention(nn.Module):
         q_length, batch_size, _ = qkv_states.shape
         q_size = self.n_local_q_heads * self.d_qk
         kv_size = self.n_local_kv_heads * self.d_qk
-        query_states, key_states, value_states = torch.split(qkv_states, [q_size, kv_size, kv_size], dim=-1)
-        query_states = query_states.transpose(0, 1).contiguous().view(batch_size, q_length, self.n_local_q_heads, self.d_qk)
-        key_states = key_states.transpose(0, 1).contiguous().view(batch_size, q_length, self.n_local_kv_heads, self.d_qk)
-        value_states = value_states.transpose(0, 1).contiguous().view(batch_size, q_length, self.n_local_kv_heads, self.d_v)
+        query_states, key_states, value_states = torch.split(
+            qkv_states, [q_size, kv_size, kv_size], dim=-1
+        )
+        query_states = (
+            query_states.transpose(0, 1)
+            .contiguous()
+            .view(batch_size, q_length, self.n_local_q_heads, self.d_qk)
+        )
+        key_states = (
+            key_states.transpose(0, 1)
+            .contiguous()
+            .view(batch_size, q_length, self.n_local_kv_heads, self.d_qk)
+        )
+        value_states = (
+            value_states.transpose(0, 1)
+            .contiguous()
+            .view(batch_size, q_length, self.n_local_kv_heads, self.d_v)
+        )
         position_ids = torch.cumsum(sequence_mask, dim=-1, dtype=torch.int32) - 1
         query_states = self.rotary_embedding(query_states, position_ids=position_ids)
         key_states = self.rotary_embedding(key_states, position_ids=position_ids)
         flat = sequence_mask.reshape(-1)
-        query_states = query_states.reshape(batch_size * q_length, self.n_local_q_heads, self.d_qk)[flat]
-        key_states = key_states.reshape(batch_size * q_length, self.n_local_kv_heads, self.d_qk)[flat]
-        value_states = value_states.reshape(batch_size * q_length, self.n_local_kv_heads, self.d_v)[flat]
-        attention_output = self.attention(query_states, key_states, value_states, sequence_mask, sequence_mask)
+        query_states = query_states.reshape(batch_size * q_length, self.n_local_q_heads, self.d_qk)[
+            flat
+        ]
+        key_states = key_states.reshape(batch_size * q_length, self.n_local_kv_heads, self.d_qk)[
+            flat
+        ]
+        value_states = value_states.reshape(batch_size * q_length, self.n_local_kv_heads, self.d_v)[
+            flat
+        ]
+        attention_output = self.attention(
+            query_states, key_states, value_states, sequence_mask, sequence_mask
+        )
         full = attention_output.new_zeros(batch_size * q_length, self.n_local_q_heads, self.d_v)
         full[flat] = attention_output
-        attention_output = full.view(batch_size, q_length, self.n_local_q_heads * self.d_v).transpose(0, 1)
+        attention_output = full.view(
+            batch_size, q_length, self.n_local_q_heads * self.d_v
+        ).transpose(0, 1)
         return self.o_proj(attention_output)
 
 
@@ -183,7 +222,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, sequence_mask):
         residual = hidden_states
-        hidden_states = self.attn(self.input_layernorm(hidden_states), sequence_mask=sequence_mask) + residual
+        hidden_states = (
+            self.attn(self.input_layernorm(hidden_states), sequence_mask=sequence_mask) + residual
+        )
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states)) + residual
         return {"hidden_states": hidden_states, "sequence_mask": sequence_mask}
@@ -203,8 +244,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.token_position_embeddings = PipelineBlock(Embedding(config))
-        self.decoder = nn.ModuleList([PipelineBlock(LlamaDecoderLayer(config, i)) for i in range(config.num_hidden_layers)])
-        self.final_layer_norm = PipelineBlock(TritonRMSNorm(config.hidden_size, eps=config.rms_norm_eps))
+        self.decoder = nn.ModuleList(
+            [PipelineBlock(LlamaDecoderLayer(config, i)) for i in range(config.num_hidden_layers)]
+        )
+        self.final_layer_norm = PipelineBlock(
+            TritonRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        )
         self.lm_head = PipelineBlock(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
 
     def forward(self, input_ids, input_mask=None):

@@ -10,6 +10,7 @@ positions).  Slip: the model sets cache.seen_tokens = T after each call instead 
 prompt's length is right at the first one-token step and every later step is placed at position 1.
 hf: model(ids, use_cache=True), then model(tok, past_key_values=out.past_key_values, use_cache=True).
 """
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +21,11 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["biogpt.layers.0.self_attn", "biogpt.layers.1.self_attn", "biogpt.layers.2.self_attn"],
+    "layers": [
+        "biogpt.layers.0.self_attn",
+        "biogpt.layers.1.self_attn",
+        "biogpt.layers.2.self_attn",
+    ],
     "kind": "causal-multihead",
     "cache": "hf",
     "decode": {"mistake": "cache_positions", "step": 1, "layer": "biogpt.layers.0.self_attn"},
@@ -52,7 +57,9 @@ class BioGptCache:
             self.value_cache.append(value_states)
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
     def get_seq_length(self, layer_idx=0):
@@ -67,7 +74,9 @@ class BioGptLearnedPositionalEmbedding(nn.Embedding):
         super().__init__(num_embeddings + self.offset, embedding_dim)
 
     def forward(self, attention_mask, past_key_values_length=0):
-        positions = (torch.cumsum(attention_mask, dim=1).type_as(attention_mask) * attention_mask).long() - 1
+        positions = (
+            torch.cumsum(attention_mask, dim=1).type_as(attention_mask) * attention_mask
+        ).long() - 1
         positions = positions + past_key_values_length
         return super().forward(positions + self.offset)
 
@@ -78,7 +87,7 @@ class BioGptAttention(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.layer_idx = layer_idx
         self.k_proj = nn.Linear(embed_dim, embed_dim)
         self.v_proj = nn.Linear(embed_dim, embed_dim)
@@ -94,7 +103,9 @@ class BioGptAttention(nn.Module):
         key_states = self._shape(self.k_proj(hidden_states), -1, bsz)
         value_states = self._shape(self.v_proj(hidden_states), -1, bsz)
         if past_key_value is not None:
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_value.update(
+                key_states, value_states, self.layer_idx
+            )
         proj_shape = (bsz * self.num_heads, -1, self.head_dim)
         query_states = self._shape(query_states, tgt_len, bsz).view(*proj_shape)
         key_states = key_states.reshape(*proj_shape)
@@ -123,7 +134,11 @@ class BioGptDecoderLayer(nn.Module):
     def forward(self, hidden_states, attention_mask=None, past_key_value=None):
         residual = hidden_states
         hidden_states = self.self_attn_layer_norm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, past_key_value=past_key_value, attention_mask=attention_mask)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            past_key_value=past_key_value,
+            attention_mask=attention_mask,
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.fc2(F.gelu(self.fc1(self.final_layer_norm(hidden_states))))
@@ -133,17 +148,23 @@ class BioGptDecoderLayer(nn.Module):
 class BioGptModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embed_scale = config.hidden_size ** 0.5 if config.scale_embedding else 1.0
+        self.embed_scale = config.hidden_size**0.5 if config.scale_embedding else 1.0
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_positions = BioGptLearnedPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleList([BioGptDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.embed_positions = BioGptLearnedPositionalEmbedding(
+            config.max_position_embeddings, config.hidden_size
+        )
+        self.layers = nn.ModuleList(
+            [BioGptDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.layer_norm = nn.LayerNorm(config.hidden_size)
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         bsz, seq_length = input_ids.shape
         if use_cache and past_key_values is None:
             past_key_values = BioGptCache()
-        past_key_values_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_key_values_length = (
+            past_key_values.get_seq_length() if past_key_values is not None else 0
+        )
         position_offset = past_key_values.seen_tokens if past_key_values is not None else 0
         inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
         attention_mask = torch.ones(bsz, seq_length, dtype=torch.long, device=input_ids.device)
@@ -156,8 +177,11 @@ class BioGptModel(nn.Module):
         causal_mask = torch.zeros(seq_length, full, dtype=dtype, device=input_ids.device)
         causal_mask = causal_mask.masked_fill(k_pos > q_pos, torch.finfo(dtype).min)[None, None]
         for decoder_layer in self.layers:
-            hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
-                                          past_key_value=past_key_values if use_cache else None)
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                past_key_value=past_key_values if use_cache else None,
+            )
         if use_cache:
             past_key_values.seen_tokens = seq_length
         return self.layer_norm(hidden_states), (past_key_values if use_cache else None)

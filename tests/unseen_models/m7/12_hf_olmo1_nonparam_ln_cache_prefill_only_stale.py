@@ -10,6 +10,7 @@ Slip: update() stores a layer's entry only when it has none; later calls return 
 without storing it, so the cache keeps the prompt only.
 hf: model(ids, use_cache=True), then model(tok, past_key_values=out.past_key_values, use_cache=True).
 """
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,8 +54,10 @@ class OlmoCache:
             self.key_cache.append(key_states)
             self.value_cache.append(value_states)
             return key_states, value_states
-        return (torch.cat([self.key_cache[layer_idx], key_states], dim=-2),
-                torch.cat([self.value_cache[layer_idx], value_states], dim=-2))
+        return (
+            torch.cat([self.key_cache[layer_idx], key_states], dim=-2),
+            torch.cat([self.value_cache[layer_idx], value_states], dim=-2),
+        )
 
     def get_seq_length(self, layer_idx=0):
         return self._seen_tokens
@@ -83,7 +86,7 @@ class OlmoRotaryEmbedding(nn.Module):
 
 def rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
+    x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -120,10 +123,14 @@ class OlmoAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         if past_key_value is not None:
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_value.update(
+                key_states, value_states, self.layer_idx
+            )
         kv_len = key_states.shape[-2]
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / (self.head_dim ** 0.5)
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=hidden_states.device).tril(kv_len - q_len)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / (self.head_dim**0.5)
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=hidden_states.device).tril(
+            kv_len - q_len
+        )
         attn_weights = attn_weights.masked_fill(~allowed, torch.finfo(attn_weights.dtype).min)
         attn_weights = nn.functional.softmax(attn_weights, dim=-1)
         attn_output = torch.matmul(attn_weights, value_states)
@@ -152,7 +159,9 @@ class OlmoDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, past_key_value=None):
         residual = hidden_states
-        hidden_states, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, past_key_value)
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, past_key_value
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -162,21 +171,29 @@ class OlmoModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([OlmoDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [OlmoDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = OlmoLayerNorm(config.hidden_size)
-        self.rotary_emb = OlmoRotaryEmbedding(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        self.rotary_emb = OlmoRotaryEmbedding(
+            config.hidden_size // config.num_attention_heads, config.rope_theta
+        )
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         if use_cache and past_key_values is None:
             past_key_values = OlmoCache()
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
         bsz, T = input_ids.shape
-        cache_position = torch.arange(past_seen_tokens, past_seen_tokens + T, device=input_ids.device)
+        cache_position = torch.arange(
+            past_seen_tokens, past_seen_tokens + T, device=input_ids.device
+        )
         position_ids = cache_position.unsqueeze(0).expand(bsz, -1)
         hidden_states = self.embed_tokens(input_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for decoder_layer in self.layers:
-            hidden_states = decoder_layer(hidden_states, position_embeddings, past_key_values if use_cache else None)
+            hidden_states = decoder_layer(
+                hidden_states, position_embeddings, past_key_values if use_cache else None
+            )
         return self.norm(hidden_states), (past_key_values if use_cache else None)
 
 

@@ -13,6 +13,7 @@ one-token step runs the prefill path: the new token attends only to itself, alth
 value were written to the cache and its position is right.
 book-cache: cache = mod.KVCache(n_layers=3); model(prompt, cache=cache); model(tok, cache=cache).
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -102,10 +103,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        )
         t = torch.arange(max_position_embeddings, dtype=torch.float64)
         freqs = torch.einsum("i,j->ij", t, inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).float(), persistent=False)
+        self.register_buffer(
+            "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).float(), persistent=False
+        )
 
     def forward(self, positions, query, key):
         # query/key: (batch, len, heads, head_size)
@@ -148,12 +153,18 @@ class Attention(nn.Module):
         v = v.view(b, lq, self.num_kv_heads, self.head_size)
         if attn_metadata is not None:
             cache = attn_metadata.cache
-            key_pool, value_pool = cache.pools(self.layer_idx, self.num_kv_heads, self.head_size, k.dtype, k.device)
+            key_pool, value_pool = cache.pools(
+                self.layer_idx, self.num_kv_heads, self.head_size, k.dtype, k.device
+            )
             bs = cache.block_size
             flat_k = key_pool.view(-1, self.num_kv_heads, self.head_size)
             flat_v = value_pool.view(-1, self.num_kv_heads, self.head_size)
-            flat_k[attn_metadata.slot_mapping.reshape(-1)] = k.reshape(-1, self.num_kv_heads, self.head_size)
-            flat_v[attn_metadata.slot_mapping.reshape(-1)] = v.reshape(-1, self.num_kv_heads, self.head_size)
+            flat_k[attn_metadata.slot_mapping.reshape(-1)] = k.reshape(
+                -1, self.num_kv_heads, self.head_size
+            )
+            flat_v[attn_metadata.slot_mapping.reshape(-1)] = v.reshape(
+                -1, self.num_kv_heads, self.head_size
+            )
         if attn_metadata is None or attn_metadata.is_prompt:
             causal = torch.ones(lq, lq, dtype=torch.bool, device=q.device).tril()
             out = self._sdpa(q, k, v, causal)
@@ -161,13 +172,17 @@ class Attention(nn.Module):
             outs = []
             for i in range(b):
                 n = int(attn_metadata.context_lens[i])
-                table = torch.tensor(attn_metadata.block_tables[i], dtype=torch.long, device=q.device)
-                slots = (table[:, None] * bs + torch.arange(bs, device=q.device)[None, :]).reshape(-1)[:n]
+                table = torch.tensor(
+                    attn_metadata.block_tables[i], dtype=torch.long, device=q.device
+                )
+                slots = (table[:, None] * bs + torch.arange(bs, device=q.device)[None, :]).reshape(
+                    -1
+                )[:n]
                 ki = flat_k[slots][None]
                 vi = flat_v[slots][None]
                 q_pos = torch.arange(n - lq, n, device=q.device)[:, None]
                 k_pos = torch.arange(n, device=q.device)[None, :]
-                outs.append(self._sdpa(q[i:i + 1], ki, vi, k_pos <= q_pos))
+                outs.append(self._sdpa(q[i : i + 1], ki, vi, k_pos <= q_pos))
             out = torch.cat(outs, dim=0)
         return out.reshape(b, lq, self.num_heads * self.head_size)
 
@@ -180,17 +195,25 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, 64, config.rope_theta, is_neox_style=True)
-        self.attn = Attention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, layer_idx)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, self.head_dim, 64, config.rope_theta, is_neox_style=True
+        )
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, layer_idx
+        )
 
     def forward(self, positions, hidden_states, attn_metadata=None):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         b, l, _ = q.shape
-        q, k = self.rotary_emb(positions, q.view(b, l, self.num_heads, self.head_dim), k.view(b, l, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(
+            positions,
+            q.view(b, l, self.num_heads, self.head_dim),
+            k.view(b, l, self.num_kv_heads, self.head_dim),
+        )
         attn_output = self.attn(q.reshape(b, l, -1), k.reshape(b, l, -1), v, attn_metadata)
         return self.o_proj(attn_output)
 
@@ -216,8 +239,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden_states, attn_metadata):
         residual = hidden_states
-        hidden_states = self.self_attn(positions=positions, hidden_states=self.input_layernorm(hidden_states),
-                                       attn_metadata=attn_metadata)
+        hidden_states = self.self_attn(
+            positions=positions,
+            hidden_states=self.input_layernorm(hidden_states),
+            attn_metadata=attn_metadata,
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -227,7 +253,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, attn_metadata):
@@ -262,8 +290,13 @@ class LlamaForCausalLM(nn.Module):
             tables = torch.tensor(cache.block_tables, dtype=torch.long, device=input_ids.device)
             slot_mapping = tables.gather(1, positions // bs) * bs + positions % bs
             is_prompt = bool((query_lens <= seq_lens_after).all())
-            attn_metadata = AttentionMetadata(is_prompt=is_prompt, slot_mapping=slot_mapping,
-                                              block_tables=cache.block_tables, context_lens=seq_lens_after, cache=cache)
+            attn_metadata = AttentionMetadata(
+                is_prompt=is_prompt,
+                slot_mapping=slot_mapping,
+                block_tables=cache.block_tables,
+                context_lens=seq_lens_after,
+                cache=cache,
+            )
         hidden = self.model(input_ids, positions, attn_metadata)
         if cache is not None:
             cache.seq_lens = cache.seq_lens + l

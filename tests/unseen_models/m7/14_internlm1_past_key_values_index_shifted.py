@@ -11,6 +11,7 @@ to start at 1), so layer 0 decodes against the last layer's cache, layer 1 again
 The full forward (no cache) is exact.
 hf: model(ids, use_cache=True), then model(tok, past_key_values=out.past_key_values, use_cache=True).
 """
+
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -65,13 +66,15 @@ class InternLMRotaryEmbedding(nn.Module):
         self.register_buffer("sin_cached", emb.sin()[None, None, :, :].float(), persistent=False)
 
     def forward(self, x, seq_len):
-        return (self.cos_cached[:, :, :seq_len, ...].to(dtype=x.dtype),
-                self.sin_cached[:, :, :seq_len, ...].to(dtype=x.dtype))
+        return (
+            self.cos_cached[:, :, :seq_len, ...].to(dtype=x.dtype),
+            self.sin_cached[:, :, :seq_len, ...].to(dtype=x.dtype),
+        )
 
 
 def rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
+    x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -93,27 +96,59 @@ class InternLMAttention(nn.Module):
         self.k_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=config.bias)
         self.v_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=config.bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=config.bias)
-        self.rotary_emb = InternLMRotaryEmbedding(self.head_dim, max_position_embeddings=config.max_position_embeddings)
+        self.rotary_emb = InternLMRotaryEmbedding(
+            self.head_dim, max_position_embeddings=config.max_position_embeddings
+        )
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, use_cache=False):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_value=None,
+        use_cache=False,
+    ):
         bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        query_states = (
+            self.q_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        key_states = (
+            self.k_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        value_states = (
+            self.v_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
         kv_seq_len = key_states.shape[-2]
         if past_key_value is not None:
             kv_seq_len += past_key_value[0].shape[-2]
         cos, sin = self.rotary_emb(value_states, seq_len=kv_seq_len)
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin, position_ids)
+        query_states, key_states = apply_rotary_pos_emb(
+            query_states, key_states, cos, sin, position_ids
+        )
         if past_key_value is not None:
             key_states = torch.cat([past_key_value[0], key_states], dim=2)
             value_states = torch.cat([past_key_value[1], value_states], dim=2)
         past_key_value = (key_states, value_states) if use_cache else None
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(self.head_dim)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(
+            self.head_dim
+        )
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
-            attn_weights = torch.max(attn_weights, torch.tensor(torch.finfo(attn_weights.dtype).min, device=attn_weights.device))
-        up = torch.float32 if attn_weights.dtype in (torch.float16, torch.bfloat16) else attn_weights.dtype
+            attn_weights = torch.max(
+                attn_weights,
+                torch.tensor(torch.finfo(attn_weights.dtype).min, device=attn_weights.device),
+            )
+        up = (
+            torch.float32
+            if attn_weights.dtype in (torch.float16, torch.bfloat16)
+            else attn_weights.dtype
+        )
         attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=up).to(query_states.dtype)
         attn_output = torch.matmul(attn_weights, value_states)
         attn_output = attn_output.transpose(1, 2).reshape(bsz, q_len, self.hidden_size)
@@ -139,10 +174,22 @@ class InternLMDecoderLayer(nn.Module):
         self.input_layernorm = InternLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = InternLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, use_cache=False):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_value=None,
+        use_cache=False,
+    ):
         residual = hidden_states
-        hidden_states, _, present = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-                                                   position_ids=position_ids, past_key_value=past_key_value, use_cache=use_cache)
+        hidden_states, _, present = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_value=past_key_value,
+            use_cache=use_cache,
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -150,12 +197,16 @@ class InternLMDecoderLayer(nn.Module):
 
 
 def _make_causal_mask(bsz, tgt_len, dtype, device, past_key_values_length=0):
-    mask = torch.full((tgt_len, tgt_len), torch.tensor(torch.finfo(dtype).min, device=device), device=device)
+    mask = torch.full(
+        (tgt_len, tgt_len), torch.tensor(torch.finfo(dtype).min, device=device), device=device
+    )
     mask_cond = torch.arange(mask.size(-1), device=device)
     mask.masked_fill_(mask_cond < (mask_cond + 1).view(mask.size(-1), 1), 0)
     mask = mask.to(dtype)
     if past_key_values_length > 0:
-        mask = torch.cat([torch.zeros(tgt_len, past_key_values_length, dtype=dtype, device=device), mask], dim=-1)
+        mask = torch.cat(
+            [torch.zeros(tgt_len, past_key_values_length, dtype=dtype, device=device), mask], dim=-1
+        )
     return mask[None, None, :, :].expand(bsz, 1, tgt_len, tgt_len + past_key_values_length)
 
 
@@ -163,21 +214,40 @@ class InternLMModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([InternLMDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [InternLMDecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        )
         self.norm = InternLMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         batch_size, seq_length = input_ids.shape
-        past_key_values_length = past_key_values[0][0].shape[2] if past_key_values is not None else 0
-        position_ids = torch.arange(past_key_values_length, seq_length + past_key_values_length, dtype=torch.long,
-                                    device=input_ids.device).unsqueeze(0).view(-1, seq_length)
+        past_key_values_length = (
+            past_key_values[0][0].shape[2] if past_key_values is not None else 0
+        )
+        position_ids = (
+            torch.arange(
+                past_key_values_length,
+                seq_length + past_key_values_length,
+                dtype=torch.long,
+                device=input_ids.device,
+            )
+            .unsqueeze(0)
+            .view(-1, seq_length)
+        )
         hidden_states = self.embed_tokens(input_ids)
-        attention_mask = _make_causal_mask(batch_size, seq_length, hidden_states.dtype, input_ids.device, past_key_values_length)
+        attention_mask = _make_causal_mask(
+            batch_size, seq_length, hidden_states.dtype, input_ids.device, past_key_values_length
+        )
         next_decoder_cache = () if use_cache else None
         for idx, decoder_layer in enumerate(self.layers):
             past_key_value = past_key_values[idx - 1] if past_key_values is not None else None
-            hidden_states, present = decoder_layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                                   past_key_value=past_key_value, use_cache=use_cache)
+            hidden_states, present = decoder_layer(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_value=past_key_value,
+                use_cache=use_cache,
+            )
             if use_cache:
                 next_decoder_cache += (present,)
         return self.norm(hidden_states), next_decoder_cache
