@@ -747,7 +747,8 @@ def test_cross_attention_inside_a_model_is_checked_where_it_sits():
 
 class _Seq2SeqAttn(torch.nn.Module):
     """BART-like attention: ``forward(hidden, memory=None)``; ``slip``: "source" (keys and
-    values from ``hidden`` though handed ``memory``), "scale" (scores divided by head_dim)."""
+    values from ``hidden`` though handed ``memory``), "keys_source" / "values_source" (only
+    the keys / only the values from ``hidden``), "scale" (scores divided by head_dim)."""
 
     def __init__(self, d: int, heads: int, causal: bool = False, slip: str | None = None):
         super().__init__()
@@ -761,8 +762,10 @@ class _Seq2SeqAttn(torch.nn.Module):
         b, n, d = hidden.shape
         hd = d // self.h
         q = self.q_proj(hidden).view(b, n, self.h, hd).transpose(1, 2)
-        k = self.k_proj(src).view(b, src.shape[1], self.h, hd).transpose(1, 2)
-        v = self.v_proj(src).view(b, src.shape[1], self.h, hd).transpose(1, 2)
+        ks = hidden if self.slip == "keys_source" else src
+        vs = hidden if self.slip == "values_source" else src
+        k = self.k_proj(ks).view(b, ks.shape[1], self.h, hd).transpose(1, 2)
+        v = self.v_proj(vs).view(b, vs.shape[1], self.h, hd).transpose(1, 2)
         s = q @ k.transpose(-2, -1) / (hd if self.slip == "scale" else hd**0.5)
         if self.causal:
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -844,7 +847,12 @@ def test_an_encoder_decoder_model_passes_with_every_layer_kind_read(kind):
 @pytest.mark.parametrize("kind", [None, "causal-multihead"])
 @pytest.mark.parametrize(
     ("slip", "stage", "mistake"),
-    [("source", "keys", "wrong_source"), ("scale", "scaled_scores", "wrong_scale")],
+    [
+        ("source", "keys", "wrong_source"),
+        ("keys_source", "keys", "wrong_source"),
+        ("values_source", "values", "wrong_source"),
+        ("scale", "scaled_scores", "wrong_scale"),
+    ],
 )
 def test_a_slip_in_one_cross_attention_layer_is_named(kind, slip, stage, mistake):
     report = check(lambda: _Seq2Seq(slip).eval(), kind=kind)

@@ -200,6 +200,8 @@ class Mutation:
     norm_after_rope: frozenset = frozenset()  # roles normed after the rotation
     bias: Callable[[int, int], T | None] | None = None  # (heads, tokens) -> position bias
     kv_from_queries: bool = False  # cross-attention: keys and values from the wrong input
+    # cross-attention: only the keys ("k") or only the values ("v") from the wrong input
+    from_queries: str = ""
     expand_kv: Callable[[T, int], T] | None = None
     expand_keys: Callable[[T, int], T] | None = None  # keys alone (values by expand_kv)
     expand_values: Callable[[T, int], T] | None = None
@@ -264,6 +266,10 @@ def _heads(x: T, spec: Spec, w: Weights | None, mut: Mutation, proj, sub) -> dic
     q, k, v = proj if proj is not None else project(x, spec, w)
     if mut.kv_from_queries:  # cross-attention read its keys and values from the queries' input
         _, k, v = project(x, spec, w)
+    elif mut.from_queries:  # only the keys, or only the values, from the queries' input
+        _, k2, v2 = project(x, spec, w)
+        k = k2 if "k" in mut.from_queries else k
+        v = v2 if "v" in mut.from_queries else v
     if mut.qkv is not None:
         q, k, v = mut.qkv(q, k, v)
     if mut.swap_batch:  # (B, T, D) read as (T, B, D): each position attends across the batch

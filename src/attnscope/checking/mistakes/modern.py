@@ -419,5 +419,17 @@ def _wrong_source(c: Context) -> list[Mutation]:
             Stage.KEYS,
             "keys and values projected from the queries' own input, not the other sequence",
             kv_from_queries=True,
-        )
+        ),
+        Mutation(
+            "wrong_source",
+            Stage.KEYS,
+            "keys projected from the queries' own input, not the other sequence",
+            from_queries="k",
+        ),
+        Mutation(
+            "wrong_source",
+            Stage.VALUES,
+            "values projected from the queries' own input, not the other sequence",
+            from_queries="v",
+        ),
     ]
