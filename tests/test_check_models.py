@@ -934,3 +934,63 @@ def test_hugging_face_encoder_decoder_models_pass(factory, prefix, cross, kind):
         f"{prefix}decoder.layers.0.{cross}",
     ]
     assert [r.kind for _, r in report.layers] == ["multihead", "causal-multihead", "cross"]
+
+
+class _QKVAttn(torch.nn.Module):
+    """``forward(query, key, value)`` (the seq2seq tutorials' MultiHeadAttentionLayer), the
+    model hands the same encoder output as ``key`` and ``value``; ``slip``: values read from
+    the query."""
+
+    def __init__(self, d: int, heads: int, causal: bool = False, slip: bool = False):
+        super().__init__()
+        self.h, self.causal, self.slip = heads, causal, slip
+        self.fc_q, self.fc_k, self.fc_v, self.fc_o = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, query, key, value):
+        b, n, d = query.shape
+        hd = d // self.h
+        value = query if self.slip else value
+        q = self.fc_q(query).view(b, n, self.h, hd).transpose(1, 2)
+        k = self.fc_k(key).view(b, -1, self.h, hd).transpose(1, 2)
+        v = self.fc_v(value).view(b, -1, self.h, hd).transpose(1, 2)
+        s = q @ k.transpose(-2, -1) / hd**0.5
+        if self.causal:
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return self.fc_o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class _QKVSeq2Seq(torch.nn.Module):
+    def __init__(self, slip: bool = False, vocab: int = 60, d: int = 32, heads: int = 4):
+        super().__init__()
+        torch.manual_seed(4)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Parameter(torch.randn(32, d) * 0.3)
+        self.enc = torch.nn.ModuleList([_QKVAttn(d, heads)])
+        self.dec = torch.nn.ModuleList([_QKVAttn(d, heads, causal=True)])
+        self.cross = torch.nn.ModuleList([_QKVAttn(d, heads, slip=slip)])
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        e = self.embed(ids) + self.pos[: ids.shape[1]]
+        memory = e + self.enc[0](e, e, e)
+        x = e * 0.5
+        x = x + self.dec[0](x, x, x)
+        x = x + self.cross[0](x, memory, memory)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("slip", [False, True])
+def test_cross_attention_handed_its_other_sequence_as_both_key_and_value_is_checked(slip):
+    """One tensor handed at two arguments (``attn(x, memory, memory)``) is one sequence: the
+    layer is cross-attention, checked where it sits."""
+    report = check(lambda: _QKVSeq2Seq(slip).eval(), decode="none")
+    assert isinstance(report, ModelReport), report
+    assert [p for p, _ in report.layers] == ["enc.0", "dec.0", "cross.0"]
+    assert [r.kind for _, r in report.layers] == ["multihead", "causal-multihead", "cross"]
+    assert report.ok != slip, report.to_text(color=False)
+    if slip:
+        assert report.first_layer == "cross.0"
+        assert (report.first_failure.stage.value, report.first_failure.mistake) == (
+            "values",
+            "wrong_source",
+        )

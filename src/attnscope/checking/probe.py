@@ -935,10 +935,13 @@ class ModuleProbe:
         g = Graph(rec)
         read = set().union(*(g.roots(p.input_node) for p in st.roles["k"] + st.roles["v"]))
         keys = [key for key, a in others.items() if marks[id(a)] in read]
-        if len(keys) != 1:
+        # one tensor the model hands at several arguments (``attention(x, enc, enc)``) is one
+        # sequence: the first argument that holds it stands for it
+        tensors = {id(others[key]) for key in keys}
+        if len(tensors) != 1:
             raise Unsupported(
                 f"{self.tgt.text}: not supported yet: cross-attention inside a model whose keys "
-                f"and values read {len(keys)} of the sequences the model hands it (at "
+                f"and values read {len(tensors)} of the sequences the model hands it (at "
                 f"{st.cross})"
             )
         return keys[0]
