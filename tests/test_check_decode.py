@@ -674,3 +674,72 @@ def test_a_cache_object_of_the_models_module_named_for_no_cache_is_used(monkeypa
     else:
         assert all(r.ok for _, r in report.layers)
         assert (report.decode.mistake, report.decode.step) == ("cache_positions", 0)
+
+
+class _PoolAttention(nn.Module):
+    """Keys and values written into a preallocated pool of blocks (as paged caches keep
+    them: no axis as long as the cached tokens); ``self_only``: every step attends over its
+    own keys alone (a prefill path taken for one-token steps) though the pool holds the
+    earlier ones."""
+
+    def __init__(self, d: int, heads: int, self_only: bool):
+        super().__init__()
+        self.h, self.hd, self.self_only = heads, d // heads, self_only
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.pool, self.pos = None, 0
+
+    def forward(self, x, use_cache: bool):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        start = 0
+        if use_cache:
+            if self.pool is None:  # (k/v, batch, blocks, slots per block, heads, head_dim)
+                self.pool = x.new_zeros(2, b, 9, 7, self.h, self.hd)
+            start = self.pos
+            flat = self.pool.view(2, b, 63, self.h, self.hd)
+            flat[0, :, start : start + n] = k.transpose(1, 2)
+            flat[1, :, start : start + n] = v.transpose(1, 2)
+            self.pos += n
+            if not self.self_only:
+                k = flat[0, :, : self.pos].transpose(1, 2)
+                v = flat[1, :, : self.pos].transpose(1, 2)
+            else:
+                start = 0
+        s = q @ k.transpose(-2, -1) / self.hd**0.5
+        rows = torch.arange(start, start + n)[:, None]
+        s = s.masked_fill(torch.arange(k.shape[2])[None, :] > rows, float("-inf"))
+        return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class _PoolGPT(nn.Module):
+    def __init__(self, self_only: bool, vocab=64, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(64, d)
+        self.blocks = nn.ModuleList(_PoolAttention(d, heads, self_only) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def reset_kv_cache(self):
+        for blk in self.blocks:
+            blk.pool, blk.pos = None, 0
+
+    def forward(self, ids, use_cache=False):
+        start = self.blocks[0].pos if use_cache else 0
+        x = self.tok(ids) + self.pos(torch.arange(start, start + ids.shape[1]))
+        for blk in self.blocks:
+            x = x + blk(x, use_cache)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("self_only", [False, True])
+def test_a_step_that_sees_itself_alone_while_its_pool_holds_the_earlier_keys_is_mask(self_only):
+    """Stale is a cache that lacks the earlier keys; a step that attends over its own key
+    alone while the pool it writes into holds them (no axis as long as the cached tokens)
+    is a mask."""
+    report = check(lambda: _PoolGPT(self_only).eval())
+    d = report.decode
+    assert d is not None and d.ok != self_only, report.to_text(color=False)
+    if self_only:
+        assert (d.mistake, d.step, d.layer) == ("cache_mask", 0, "blocks.0"), d.message

@@ -666,6 +666,7 @@ class _Evidence:
         self._read = False
         self.full = self.cached = None
         self.cache_seen = False
+        self.made_before: list[torch.Tensor] = []
 
     def operands(self):
         """``((keys, values, where), (keys, values, where))``: full pass, cached step; None
@@ -696,6 +697,7 @@ class _Evidence:
         with rec:
             drive.step(new)
         self.cache_seen = _cache_seen(rec, self.model, pos)
+        self.made_before = _made_before(rec, self.model)
         return full, _layer_operands(rec, self.model, self.path)
 
 
@@ -710,6 +712,54 @@ def _cache_seen(rec: Recorder, model: nn.Module, cached: int) -> bool:
         if t.dim() >= 3 and cached in t.shape and t.data_ptr() not in params:
             return True
     return False
+
+
+def _made_before(rec: Recorder, model: nn.Module) -> list[torch.Tensor]:
+    """The tensors the step read (or wrote into) that were made before it, not parameters:
+    where a cache it touches lives (a paged pool, a preallocated buffer)."""
+    params = {p.data_ptr() for p in model.parameters()}
+    return [
+        op.output
+        for op in rec.ops
+        if not op.args
+        and op.name.startswith("input of")
+        and isinstance(op.output, torch.Tensor)
+        and op.output.is_floating_point()
+        and op.output.dim() >= 2
+        and op.output.data_ptr() not in params
+    ]
+
+
+def _cache_holds(
+    made_before: list[torch.Tensor], full_keys: torch.Tensor, axis: int | None, pos: int
+) -> bool:
+    """Whether the tensors the step touched hold the full pass's key of every token before
+    ``pos`` (of its first batch row and head, in any layout whose last axis runs over a
+    head's features): the cache holds the earlier keys, whether the step attends to them or
+    not."""
+    if axis is None or pos == 0:
+        return False
+    if axis == full_keys.dim() - 1:  # keys transposed for the product
+        full_keys, axis = full_keys.transpose(-1, -2), axis - 1
+    if full_keys.shape[axis] < pos:
+        return False
+    rows = full_keys.movedim(axis, 0).double()
+    hd = rows.shape[-1]
+    want = [rows[j].reshape(-1, hd)[0] for j in range(pos)]
+    pools = [
+        t.detach().double().reshape(-1, hd)
+        for t in made_before
+        if t.shape[-1] % hd == 0 and t.numel() >= pos * hd
+    ]
+    if not pools:
+        return False
+    for w in want:
+        scale = float(w.abs().amax()) or 1.0
+        if not any(
+            bool(((p - w).abs().amax(dim=-1) <= 1e-4 * scale + 1e-6).any()) for p in pools
+        ):
+            return False
+    return True
 
 
 def _layer_operands(rec: Recorder, model: nn.Module, path: str):
@@ -830,11 +880,14 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
             "sequence?)",
             k_line,
         )
-    if missing and held == [pos] and evidence.cache_seen:
+    holds = held == [pos] and (
+        evidence.cache_seen or _cache_holds(evidence.made_before, fk, _token_axis(ck, fk, 1), pos)
+    )
+    if missing and holds:
         return (
             "cache_mask",
             "the new token sees its own key and value alone, none of the cached ones "
-            "(which the step reads)",
+            "(which the cache the step touches holds)",
             score_line,
         )
     if missing and held == [pos]:
