@@ -994,3 +994,62 @@ def test_cross_attention_handed_its_other_sequence_as_both_key_and_value_is_chec
             "values",
             "wrong_source",
         )
+
+
+class _OneHead(torch.nn.Module):
+    def __init__(self, d: int, hd: int, slip: bool = False):
+        super().__init__()
+        self.key, self.query, self.value = (torch.nn.Linear(d, hd, bias=False) for _ in range(3))
+        self.slip = slip
+
+    def forward(self, x):
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        s = q @ k.transpose(-2, -1) * (1.0 if self.slip else k.shape[-1] ** -0.5)
+        n = x.shape[1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return s.softmax(-1) @ v
+
+
+class _HeadsConcatenated(torch.nn.Module):
+    """One module per head, their contexts concatenated and projected together (the
+    lecture GPT's MultiHeadAttention)."""
+
+    def __init__(self, d: int, heads: int, slip: bool = False):
+        super().__init__()
+        self.heads = torch.nn.ModuleList(
+            _OneHead(d, d // heads, slip and h == 2) for h in range(heads)
+        )
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.proj(torch.cat([h(x) for h in self.heads], dim=-1))
+
+
+class _PerHeadGPT(torch.nn.Module):
+    def __init__(self, slip: bool = False, vocab: int = 60, d: int = 32):
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Parameter(torch.randn(32, d) * 0.3)
+        self.blocks = torch.nn.ModuleList(
+            [_HeadsConcatenated(d, 4, slip and i == 1) for i in range(2)]
+        )
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        for blk in self.blocks:
+            x = x + blk(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("slip", [False, True])
+def test_heads_computed_apart_and_projected_together_are_one_layer(slip):
+    """A module per head whose contexts are concatenated into one output projection: the
+    layer is the module that joins them, not each head."""
+    report = check(lambda: _PerHeadGPT(slip).eval(), decode="none")
+    assert isinstance(report, ModelReport), report
+    assert [p for p, _ in report.layers] == ["blocks.0", "blocks.1"]
+    assert report.ok != slip, report.to_text(color=False)
+    if slip:
+        assert report.first_layer == "blocks.1"

@@ -887,7 +887,7 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
         return (
             "cache_mask",
             "the new token sees its own key and value alone, none of the cached ones "
-            "(which the cache the step touches holds)",
+            + ("(which the step reads)" if evidence.cache_seen else "(which the cache holds)"),
             score_line,
         )
     if missing and held == [pos]:

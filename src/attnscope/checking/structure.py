@@ -64,6 +64,10 @@ __all__ = [
 
 T = torch.Tensor
 
+#: calls that join tensors into one (heads' contexts concatenated)
+_JOINING = {"cat", "concat", "concatenate", "stack", "hstack"}
+#: calls a head's context passes through unchanged in meaning on its way to being joined
+_PASSING = {"dropout", "feature_dropout", "alpha_dropout", "clone", "to", "float", "type_as"}
 #: pairwise sums: scores made of them are additive attention's
 _ADDITIVE = {"add", "__add__", "__radd__", "add_"}
 #: calls that normalise scores into weights (or try to: the mistakes' stand-ins too)
@@ -272,13 +276,15 @@ class _Reader:
         cores, projs, _, _ = scanned or self._scan()
         found: list[tuple[int, str]] = []
         unnormalised: set[str] = set()
+        joined = self._joined_heads(cores, projs)
         for core in cores:
+            group = joined.get(id(core), [core])
             roles = {
-                r: self._projections_above(n, projs)
+                r: [p for c in group for p in self._projections_above(n, projs)]
                 for r, n in (("q", core.q_node), ("k", core.k_node), ("v", core.v_node))
                 if n is not None
             }
-            call = self._layer_call([core], roles)
+            call = self._layer_call(group, roles)
             op = core.fused or core.score
             path = "" if call is None else call.path
             found.append((op.index if op is not None else 0, path))
@@ -303,6 +309,37 @@ class _Reader:
         return [
             p for p in paths if p not in unnormalised or not p or type(self._module_at(p)) in kinds
         ]
+
+    def _joined_heads(self, cores: list[Core], projs) -> dict[int, list[Core]]:
+        """Cores computed apart (one module per head) whose contexts, as they are or merely
+        reshaped, are concatenated into one tensor that a projection then reads: one layer
+        (a multi-head module of single-head modules). ``id(core)`` -> every core so joined."""
+        by_join: dict[int, list[Core]] = {}
+        for core in cores:
+            end = core.fused or core.context
+            if end is None:
+                continue
+            reach, join = {end.index}, None
+            for op in self.ops[end.index + 1 :]:
+                if not any(a in reach for a in op.args):
+                    continue
+                if op.name in _JOINING:
+                    join = op.index
+                    break
+                if op.name in LAYOUT_OPS or op.name in _PASSING:
+                    reach.add(op.index)
+            if join is not None:
+                by_join.setdefault(join, []).append(core)
+        out: dict[int, list[Core]] = {}
+        for join, group in by_join.items():
+            if len(group) < 2:
+                continue
+            below = self.g.descendants(join)
+            if not any(i in below and p.input_node in below | {join} for i, p in projs.items()):
+                continue
+            for core in group:
+                out[id(core)] = group
+        return out
 
     def _module_at(self, path: str) -> nn.Module | None:
         try:
