@@ -12,7 +12,11 @@ from attnscope import ModelReport, check
 
 #: the first run left these open: each is a strict expected failure, so that the day it is
 #: fixed the test says so and leaves the list
-_OPEN: dict[str, str | tuple[str, str]] = {}
+_OPEN: dict[str, str | tuple[str, str]] = {
+    "10_nanotron_llama_varlen_layer_cu_seqlens_whole_batch": "packed sequences (varlen, "
+    "cu_seqlens): one attention core per packed sequence over slices of one token axis; the "
+    "rotation read through the slices is not modelled (refused as rotary)",
+}
 
 
 def _cases():

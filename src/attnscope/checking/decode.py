@@ -755,9 +755,7 @@ def _cache_holds(
         return False
     for w in want:
         scale = float(w.abs().amax()) or 1.0
-        if not any(
-            bool(((p - w).abs().amax(dim=-1) <= 1e-4 * scale + 1e-6).any()) for p in pools
-        ):
+        if not any(bool(((p - w).abs().amax(dim=-1) <= 1e-4 * scale + 1e-6).any()) for p in pools):
             return False
     return True
 
