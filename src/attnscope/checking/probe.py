@@ -371,8 +371,10 @@ class _TakeAt(TorchFunctionMode):
 class _Entry:
     """Where a layer inside a wrapper takes its hidden states, and in which layout: batch
     first ``(B, T, d)``, tokens first ``(T, B, d)``, the tokens laid out as a grid
-    ``(B, H, W, d)`` with ``H * W = T`` (``grid`` is then ``(H, W)``), or the batch
-    flattened to its tokens ``(B * T, d)`` (``flat``: vLLM-style runners, packed batches)."""
+    ``(B, H, W, d)`` with ``H * W = T`` (``grid`` is then ``(H, W)``), the batch
+    flattened to its tokens ``(B * T, d)`` (``flat``: vLLM-style runners, packed batches),
+    or channels first ``(B, d, T)`` (``channels_first``: VITS / Glow-TTS, whose 1x1 Conv1d
+    projections read the channels on axis 1)."""
 
     def __init__(
         self,
@@ -382,10 +384,11 @@ class _Entry:
         tokens_first: bool,
         grid=None,
         flat: bool = False,
+        channels_first: bool = False,
     ):
         self.module, self.path = module, path
         self.positions, self.tokens_first, self.grid = positions, tokens_first, grid
-        self.flat = flat
+        self.flat, self.channels_first = flat, channels_first
         #: the other float tensors the wrapper hands the layer, by argument (a mask, a
         #: position bias), as handed on the discovery run
         self.extras: dict = {}
@@ -406,6 +409,8 @@ class _Entry:
             sub = x.reshape(x.shape[0], *self.grid, x.shape[-1])
         elif self.flat:
             sub = x.reshape(-1, x.shape[-1])
+        elif self.channels_first:
+            sub = x.transpose(1, 2)
         self._entered = (x, sub)
         return sub
 
@@ -427,11 +432,18 @@ class _Entry:
         """The layer's output back in ``(B, T, d)``."""
         if self.tokens_first and out.dim() == 3:
             return out.transpose(0, 1)
+        if self.channels_first and out.dim() == 3 and out.shape[0] == b and out.shape[2] == n:
+            return out.transpose(1, 2)
         if self.flat and out.dim() == 2 and out.shape[0] == b * n:
             return out.reshape(b, n, out.shape[-1])
         if self.grid is not None and out.shape[0] == b and math.prod(out.shape[1:-1]) == n:
             return out.reshape(b, n, out.shape[-1])
         return out
+
+    @property
+    def as_given(self) -> bool:
+        """The layer takes the probe ``(B, T, d)`` as it is (no layout to put it in)."""
+        return not (self.tokens_first or self.flat or self.channels_first or self.grid is not None)
 
 
 class ModuleProbe:
@@ -700,7 +712,7 @@ class ModuleProbe:
         and is handed its wrapper's input in the layout the wrapper got it: the wrapper
         works tokens first too (a fairseq encoder layer around its attention)."""
         e = self.entry
-        if e is None or e.tokens_first or e.grid is not None or e.flat or self.adapter["seq_first"]:
+        if e is None or not e.as_given or self.adapter["seq_first"]:
             return
         try:
             params = [
@@ -910,7 +922,7 @@ class ModuleProbe:
         # a layer that goes on past its output projection (ALBERT's attention adds its input
         # and norms the sum): its output is taken at the projection
         e = self.entry
-        if not (e.tokens_first or e.flat or e.grid is not None):  # ``out`` is what it returned
+        if e.as_given:  # ``out`` is what it returned
             self.exit = self._exit(st, rec, out)
         return st
 
@@ -1068,13 +1080,16 @@ class ModuleProbe:
         elif positions and lead == (b * n,) and before and _batch_major(rec, max(before), b, n):
             # the batch flattened to its tokens, sequence after sequence
             entry = _Entry(module, st.layer, positions, False, flat=True)
+        elif positions and value.dim() == 3 and value.shape[0] == b and value.shape[2] == n:
+            # channels first, (B, d, T): the tokens on the last axis (VITS's 1x1 Conv1d)
+            entry = _Entry(module, st.layer, positions, False, channels_first=True)
         if entry is not None:
             entry.extras = extras
             return entry
         raise AttnScopeError(
             f"{self.tgt.text}: found its attention in {st.layer!r}, which receives its input "
-            f"as {describe(value)}; expected (batch, tokens, d), (tokens, batch, d) or a grid "
-            "of the tokens (batch, h, w, d) passed as an argument"
+            f"as {describe(value)}; expected (batch, tokens, d), (tokens, batch, d), "
+            "(batch, d, tokens) or a grid of the tokens (batch, h, w, d) passed as an argument"
         )
 
     # ------------------------------------------------------------------ calling
