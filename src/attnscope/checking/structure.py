@@ -25,6 +25,7 @@ Names play no part in any of it; they only label the report (:attr:`Projection.s
 
 from __future__ import annotations
 
+import ast
 import linecache
 import re
 
@@ -1093,11 +1094,131 @@ def keys_named_first(st: Structure) -> bool:
     if op is None or not op.location or ":" not in op.location:
         return False
     path, _, line = op.location.rpartition(":")
-    text = _statement(path, int(line)) if line.isdigit() else ""
+    if not line.isdigit():
+        return False
+    traced = _operand_roles(path, int(line))
+    if traced is not None:
+        return traced == ["k", "q"]
+    text = _statement(path, int(line))
     text = re.sub(r"^\s*[\w.,\[\]\s]+?=(?!=)", "", text)  # an assignment's target
     words = re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text)
     roles = [role_hint(w) for w in words if role_hint(w) in ("q", "k")]
     return roles[:2] == ["k", "q"]
+
+
+#: a product's two operands, by position and by keyword: (positions, keywords)
+_OPERANDS = {
+    "baddbmm": ((1, 2), ("batch1", "batch2")),
+    "addmm": ((1, 2), ("mat1", "mat2")),
+    "matmul": ((0, 1), ("input", "other")),
+    "bmm": ((0, 1), ("input", "mat2")),
+    "mm": ((0, 1), ("input", "mat2")),
+}
+
+
+def _operand_roles(path: str, line: int) -> list[str] | None:
+    """The roles (q, k) the two operands of the product on ``line`` are made from, read in
+    the code: an operand named by a local variable is read where that variable was last
+    assigned before (``q, k = key.reshape(...), query.mT``: q holds the keys), so that a
+    name reused for another tensor does not decide. None where the code does not say."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return None
+    funcs = [
+        f
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+        and f.lineno <= line <= (f.end_lineno or f.lineno)
+    ]
+    if not funcs:
+        return None
+    fn = max(funcs, key=lambda f: f.lineno)
+    operands = None
+    for node in ast.walk(fn):
+        if getattr(node, "lineno", None) != line:
+            continue
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            operands = [node.left, node.right]
+        elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else None
+            if name not in _OPERANDS:
+                continue
+            (i, j), names = _OPERANDS[name]
+            if isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+                given = list(node.args)
+            else:  # a method: ``a.matmul(b)``
+                given = [node.func.value, *node.args]
+                if name in ("baddbmm", "addmm"):
+                    continue
+            keywords = {k.arg: k.value for k in node.keywords}
+            operands = [
+                given[i] if i < len(given) else keywords.get(names[0]),
+                given[j] if j < len(given) else keywords.get(names[1]),
+            ]
+        if operands is not None:
+            break
+    if operands is None or None in operands:
+        return None
+    roles = [_expr_role(e, fn, line, 4) for e in operands]
+    return roles if None not in roles else None
+
+
+def _expr_role(expr, fn, line: int, depth: int) -> str | None:
+    """The first role (q or k) the words of ``expr`` name, a local variable read where it
+    was last assigned before ``line`` in ``fn``."""
+    for node in sorted(
+        (n for n in ast.walk(expr) if isinstance(n, ast.Name | ast.Attribute)),
+        key=lambda n: (n.lineno, n.col_offset),
+    ):
+        word = node.id if isinstance(node, ast.Name) else node.attr
+        role = role_hint(word)
+        if role not in ("q", "k"):
+            continue
+        if isinstance(node, ast.Name) and depth > 0:
+            source = _assigned(fn, node.id, line)
+            if source is not None:
+                deeper = _expr_role(source[0], fn, source[1], depth - 1)
+                if deeper is not None:
+                    return deeper
+        return role
+    return None
+
+
+def _assigned(fn, name: str, line: int):
+    """What ``name`` was last assigned in ``fn`` before ``line`` (the matching element of a
+    tuple assignment), with that assignment's line; None where it is not read plainly."""
+    last = None
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Assign) or node.lineno >= line:
+            continue
+        for target in node.targets:
+            if isinstance(target, ast.Name) and target.id == name:
+                found = (node.value, node.lineno)
+            elif (
+                isinstance(target, ast.Tuple)
+                and isinstance(node.value, ast.Tuple)
+                and len(target.elts) == len(node.value.elts)
+            ):
+                found = next(
+                    (
+                        (v, node.lineno)
+                        for t, v in zip(target.elts, node.value.elts, strict=True)
+                        if isinstance(t, ast.Name) and t.id == name
+                    ),
+                    None,
+                )
+            elif isinstance(target, ast.Tuple) and any(
+                isinstance(t, ast.Name) and t.id == name for t in target.elts
+            ):
+                found = ("unread", node.lineno)
+            else:
+                continue
+            if found is not None and (last is None or found[1] > last[1]):
+                last = found
+    if last is None or last[0] == "unread":
+        return None
+    return last
 
 
 def projection_input(rec: Recorder, st: Structure, like: T) -> T | None:
