@@ -473,7 +473,8 @@ class Judge:
         # order, unless the line that makes the scores names the keys first (k @ q^T)
         combined = self.w is not None and "[q|k|v]" in self.w.source and not self.keys_named_first
         biases = (None, None, None) if self.w is None else (self.w.bq, self.w.bk, self.w.bv)
-        candidates = catalogue(Context(self.spec, tokens, batch, combined, biases))
+        combined_kv = self.w is not None and "[k|v]" in self.w.source
+        candidates = catalogue(Context(self.spec, tokens, batch, combined, biases, combined_kv))
         projs = [project(c.x, self.spec, self.w, c.context) for c in calls]
         for mut in candidates:
             outs = []

@@ -26,6 +26,9 @@ class Context:
     batch: int
     combined_qkv: bool = False
     biases: tuple[T | None, T | None, T | None] = (None, None, None)
+    #: keys and values from one combined projection (``[k|v]``: PVT's ``kv``, a
+    #: cross-attention's fused key/value)
+    combined_kv: bool = False
 
 
 @dataclass

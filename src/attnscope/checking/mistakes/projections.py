@@ -204,12 +204,53 @@ def _heads_split(c: Context) -> list[Mutation]:
             )
     if c.combined_qkv and c.spec.kv == c.spec.num_heads:
         out += _fused_splits(c.spec.num_heads)
+    if c.combined_kv and c.spec.kv > 1:
+        out += _fused_kv_splits(c.spec.kv)
     return out
 
 
 def _unsplit(h: T) -> T:
     """The inverse of the reference's split: ``(B, H, T, hd) -> (B, T, H*hd)``."""
     return h.transpose(1, 2).reshape(h.shape[0], h.shape[2], -1)
+
+
+def _fused_kv_splits(heads: int) -> list[Mutation]:
+    """:func:`_fused_splits` for one combined key/value projection ``(B, S, 2*D)``
+    (``[k|v]`` blocks, or per head ``[k_h|v_h]``) reshaped heads-first, or pair-first
+    ``(b, 2, heads, S, hd)``, before keys and values are cut from it: the keys show it first."""
+
+    def pack(k: T, v: T, per_head: bool) -> T:
+        b, n, d = k.shape
+        if per_head:
+            return torch.stack([t.view(b, n, heads, -1) for t in (k, v)], 3).reshape(b, n, -1)
+        return torch.cat([k, v], -1)
+
+    def cut(per_head: bool, heads_first: bool):
+        def kv(q: T, k: T, v: T) -> tuple[T, T, T]:
+            b, n, d = k.shape
+            packed = pack(k, v, per_head)
+            if heads_first:  # (B, H, S, 2*hd), then chunked on the last axis
+                parts = packed.reshape(b, heads, n, -1).chunk(2, -1)
+            else:  # (B, 2, H, S, hd), then unbound on the second
+                parts = packed.reshape(b, 2, heads, n, -1).unbind(1)
+            return (q, *(_unsplit(p) for p in parts))
+
+        return kv
+
+    out = []
+    for heads_first in (True, False):
+        shape = "(b, heads, tokens, 2*head_dim)" if heads_first else "(b, 2, heads, tokens, hd)"
+        for per_head in (True, False):
+            out.append(
+                Mutation(
+                    "heads_split",
+                    Stage.KEYS,
+                    f"the combined k/v projection's output reshaped straight to {shape}, "
+                    "mixing tokens and features",
+                    qkv=cut(per_head, heads_first),
+                )
+            )
+    return out
 
 
 def _fused_splits(heads: int) -> list[Mutation]:
