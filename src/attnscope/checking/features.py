@@ -43,6 +43,9 @@ _NORMS = _NORM_CALLS | {"var", "std", "var_mean"}
 _MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum"}
 #: convolutions (over the tokens, where wider than one)
 _CONVS = {"conv1d", "conv2d", "conv3d"}
+#: pooling over the tokens (or a grid of them)
+_POOLS = {f"{kind}_pool{n}d" for kind in ("avg", "max", "adaptive_avg", "adaptive_max") for n in (1, 2, 3)}
+_POOLS |= {"interpolate"}
 #: elementwise products that gate a tensor
 _GATES = {"mul", "__mul__", "__rmul__", "mul_", "multiply"}
 #: calls that write into a tensor in place (a KV cache's update)
@@ -196,12 +199,15 @@ class Features:
         s = self.s
         self._cross()
         self._one_role_shifted()
+        self._pooled_kv()
+        self._rotated_input()
         for core in s.cores:
             self._cached(core)
         for core in s.cores:
             for role, node in (("queries", core.q_node), ("keys", core.k_node)):
                 self._qk_path(role, node)
             self._joined_rows(core)
+            self._tokens_projected(core)
             self._score_path(core)
             self._gated(core)
             self._convolved(core)
@@ -268,6 +274,94 @@ class Features:
                     "embedding for the queries and keys, not the values, as DETR adds it?)",
                     op.location,
                 )
+
+    def _own(self, role: str, against: str) -> set[int]:
+        """The ops (inside the layer) that make the input of ``role``'s projections and not
+        the input of ``against``'s."""
+        start = self.s.call.start if self.s.call is not None else 0
+
+        def made(r: str) -> set[int]:
+            return set().union(*(self.g.ancestors(p.input_node) for p in self.s.roles[r]))
+
+        if not self.s.roles[role] or not self.s.roles[against]:
+            return set()
+        return {i for i in made(role) - made(against) if i >= start and self.ops[i].leaf is None}
+
+    def _pooled_kv(self) -> None:
+        """Keys and values read from the input pooled over its tokens (PVTv2-Li's adaptive
+        average pool of the token grid: a fixed number of pooled keys): the reference reads
+        one key per token."""
+        for role in ("k", "v"):
+            for i in sorted(self._own(role, "q")):
+                op = self.ops[i]
+                if op.name in _POOLS and op.args and self.g.tainted[op.args[0]]:
+                    self._refuse(
+                        f"keys and values read from the input pooled over the tokens "
+                        f"({op.name}: a spatial reduction, as PVTv2-Li's, that downsamples the "
+                        "sequence the keys and values are projected from)",
+                        op.location,
+                    )
+
+    def _rotated_input(self) -> None:
+        """The queries' and keys' projections reading the layer's input rotated (cos/sin
+        tables and a rotate-half, as Wav2Vec2-Conformer applies rotary to its input), the
+        values' the input as it is: a rotation before the projections, which the reference
+        (rotary on the projected queries and keys) does not model."""
+        own = self._own("q", "v")
+        ops = [self.ops[i] for i in sorted(own)]
+        rotates = any(o.name in ("cat", "neg", "__neg__", "stack", "flip") for o in ops)
+        for op in ops:
+            if op.name not in _GATES or not rotates:
+                continue
+            consts = [a for a in op.args if not self.g.tainted[a] and not self.g.param[a]]
+            tables = [self.ops[a].output for a in consts]
+            if any(t.numel() > 1 and not bool((t == t.flatten()[0]).all()) for t in tables):
+                self._refuse(
+                    "a rotation applied to the layer's input before the query and key "
+                    "projections (rotary position embedding on the inputs, as "
+                    "Wav2Vec2-Conformer's, not on the projected queries and keys)",
+                    op.location,
+                )
+
+    def _tokens_projected(self, core: Core) -> None:
+        """Keys or values multiplied, after their projection, by a weight along the tokens
+        axis (Linformer's ``einsum("bnd,nk->bkd")``: the sequence projected to a fixed number
+        of rows): a projection over the tokens, which the reference does not have."""
+        lead = self._lead()
+        if lead is None or self.s.cross is not None:
+            return
+        n = lead[1]
+        start = self.s.call.start if self.s.call is not None else 0
+        for p in self.s.roles["k"] + self.s.roles["v"]:
+            # read as the projection itself: a weight with a tokens-long axis, applied to
+            # what another weight made from the input
+            before = [
+                self.ops[i]
+                for i in self.g.ancestors(p.input_node)
+                if i >= start and self.ops[i].leaf is None and i != p.op.index
+            ]
+            made = any(any(self.g.param[a] for a in o.args) for o in before)
+            w = getattr(p, "w", None)
+            if made and isinstance(w, T) and w.dim() >= 2 and n in w.shape and p.op.name in _MATMULS:
+                self._refuse(
+                    "keys and values projected along the tokens axis to a fixed number "
+                    "of rows (a projection over the tokens, Linformer's low-rank step)",
+                    p.op.location,
+                )
+        stops = {p.op.index for ps in self.s.roles.values() for p in ps}
+        for node in (core.k_node, core.v_node):
+            if node is None:
+                continue
+            for op in self._path(node, stops):
+                if op.name not in _MATMULS:
+                    continue
+                weights = [self.ops[a].output for a in op.args if self.g.param[a]]
+                if any(t.dim() >= 2 and n in t.shape for t in weights):
+                    self._refuse(
+                        "keys and values projected along the tokens axis to a fixed number "
+                        "of rows (a projection over the tokens, Linformer's low-rank step)",
+                        op.location,
+                    )
 
     def _refuse(self, what: str, where: str | None) -> None:
         at = f" at {where}" if where else ""
