@@ -44,7 +44,9 @@ _MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum"}
 #: convolutions (over the tokens, where wider than one)
 _CONVS = {"conv1d", "conv2d", "conv3d"}
 #: pooling over the tokens (or a grid of them)
-_POOLS = {f"{kind}_pool{n}d" for kind in ("avg", "max", "adaptive_avg", "adaptive_max") for n in (1, 2, 3)}
+_POOLS = {
+    f"{kind}_pool{n}d" for kind in ("avg", "max", "adaptive_avg", "adaptive_max") for n in (1, 2, 3)
+}
 _POOLS |= {"interpolate"}
 #: elementwise products that gate a tensor
 _GATES = {"mul", "__mul__", "__rmul__", "mul_", "multiply"}
@@ -342,7 +344,13 @@ class Features:
             ]
             made = any(any(self.g.param[a] for a in o.args) for o in before)
             w = getattr(p, "w", None)
-            if made and isinstance(w, T) and w.dim() >= 2 and n in w.shape and p.op.name in _MATMULS:
+            if (
+                made
+                and isinstance(w, T)
+                and w.dim() >= 2
+                and n in w.shape
+                and p.op.name in _MATMULS
+            ):
                 self._refuse(
                     "keys and values projected along the tokens axis to a fixed number "
                     "of rows (a projection over the tokens, Linformer's low-rank step)",

@@ -128,6 +128,12 @@ def _split_tokens(t: T, heads: int) -> T:
     return t.reshape(b, heads, n, d // heads)
 
 
+def _split_channels_first(t: T, heads: int) -> T:
+    """Channels first ``(b, d, n)`` viewed as ``(b, heads, n, hd)`` with no transpose."""
+    b, n, d = t.shape
+    return t.transpose(1, 2).reshape(b, heads, n, d // heads)
+
+
 def _split_interleaved(t: T, heads: int) -> T:
     b, n, d = t.shape
     return t.reshape(b, n, d // heads, heads).permute(0, 3, 1, 2)
@@ -165,18 +171,21 @@ def _heads_split(c: Context) -> list[Mutation]:
         return []
     out = []
     inverses = {_split_tokens: _merge_tokens, _split_interleaved: _merge_interleaved}
-    for bad, how in ((_split_tokens, "tokens"), (_split_interleaved, "interleaved features")):
+    cuts = [(_split_tokens, "tokens"), (_split_interleaved, "interleaved features")]
+    cuts.append((_split_channels_first, "the channels-first (b, d, tokens) layout"))
+    for bad, how in cuts:
         q = Stage.QUERIES
         out.append(Mutation("heads_split", q, f"heads cut from {how} (all of q, k, v)", split=bad))
-        out.append(  # the same wrong cut, undone consistently when the heads are merged
-            Mutation(
-                "heads_split",
-                q,
-                f"heads cut from {how} (all of q, k, v), merged back the same way",
-                split=bad,
-                merge=inverses[bad],
+        if bad in inverses:  # the same wrong cut, undone consistently when the heads are merged
+            out.append(
+                Mutation(
+                    "heads_split",
+                    q,
+                    f"heads cut from {how} (all of q, k, v), merged back the same way",
+                    split=bad,
+                    merge=inverses[bad],
+                )
             )
-        )
         for i, stage in enumerate(_QKV):
             out.append(
                 Mutation(
