@@ -41,14 +41,6 @@ _OPEN = {
         "is_causal is False without a cache: nothing it computes says decoder (only its "
         "class's name)",
     ),
-    # round 14's first run (commit c5e4f19): picoGPT (b01-b05, b28, c01) is another fix's
-    "r14/b01_picogpt_mask_sign_dropped": "picoGPT's per-sequence loop: fixed apart",
-    "r14/b02_picogpt_tri_k_minus_one": "picoGPT's per-sequence loop: fixed apart",
-    "r14/b03_picogpt_stack_heads_last": "picoGPT's per-sequence loop: fixed apart",
-    "r14/b04_picogpt_divide_by_d_k": "picoGPT's per-sequence loop: fixed apart",
-    "r14/b05_picogpt_softmax_axis_zero": "picoGPT's per-sequence loop: fixed apart",
-    "r14/b28_picogpt_softmax_denominator_unshifted": "picoGPT's per-sequence loop: fixed apart",
-    "r14/c01_picogpt_list_comprehension_heads": "picoGPT's per-sequence loop: fixed apart",
     "r14/b22_vits_decoder_encoder_mask_copied": (
         "inferred",
         "the decoder's causal mask replaced by a padding one: nothing it computes says decoder",
