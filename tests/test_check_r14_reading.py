@@ -33,6 +33,8 @@ class _ConvAttention(nn.Module):
         k = self.k(x).view(b, self.h, hd, t).transpose(2, 3)
         v = self.v(x).view(b, self.h, hd, t).transpose(2, 3)
         w = F.softmax(q @ k.transpose(-2, -1) / math.sqrt(hd), dim=-1)
+        if self.bug == "merge":  # (b, h, t, hd) viewed as (b, d, t) without the transpose
+            return self.o((w @ v).reshape(b, d, t))
         return self.o((w @ v).transpose(2, 3).reshape(b, d, t))
 
 
@@ -87,6 +89,11 @@ class _FusedQKV(nn.Module):
     def _swapped(self, query, key, b, n, hd):  # named q and k, made from key and query
         q, k = key.reshape(-1, n, hd), query.transpose(-1, -2).reshape(-1, hd, n)
         return torch.baddbmm(torch.empty(b * self.h, n, n), q, k, beta=0, alpha=hd**-0.5)
+
+
+def test_a_layer_handed_channels_first_shows_its_heads_merge():
+    report = check(_ChannelsFirstBody(bug="merge").eval(), kind="multihead")
+    assert outcome(report) == ("output", "heads_merge"), report.to_text(color=False)
 
 
 def test_operands_named_through_their_local_assignment():

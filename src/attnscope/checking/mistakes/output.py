@@ -47,6 +47,10 @@ def _heads_merge(c: Context) -> list[Mutation]:
         # (B*H, T, hd) context as (T, B, d_out) without the transpose
         "heads merged tokens first without moving the head axis back (mixes tokens and "
         "sequences)": lambda t: t.reshape(t.shape[2], t.shape[0], -1).transpose(0, 1),
+        # a channels-first layer (VITS's (b, d, t)) viewing its (B, H, T, hd) context as
+        # (B, d, T) without the transpose
+        "heads merged channels first without moving the head axis back (mixes tokens and "
+        "features)": lambda t: t.reshape(t.shape[0], -1, t.shape[2]).transpose(1, 2),
         "heads merged feature-interleaved": lambda t: t.permute(0, 2, 3, 1).reshape(
             t.shape[0], t.shape[2], -1
         ),
