@@ -41,6 +41,11 @@ _OPEN = {
         "is_causal is False without a cache: nothing it computes says decoder (only its "
         "class's name)",
     ),
+    "r14/r03_autoformer_autocorrelation": "refused, but as no attention found (an "
+    "AttnScopeError, not a named refusal): the autocorrelation (FFT over the tokens, top-k "
+    "delays) is not read as a feature",
+    "r14/r05_reformer_shared_qk_full_attn": "refused, but named as cosine attention (Reformer "
+    "normalises its shared keys), not as shared query/key projections",
     "r14/b22_vits_decoder_encoder_mask_copied": (
         "inferred",
         "the decoder's causal mask replaced by a padding one: nothing it computes says decoder",
