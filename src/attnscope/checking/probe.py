@@ -47,6 +47,7 @@ from .report import CheckReport, single_head
 from .rotary import Rope, as_heads, fit_tables, read_rope
 from .structure import (
     Structure,
+    attention_cores,
     keys_named_first,
     projection_input,
     read_structure,
@@ -527,6 +528,16 @@ class ModuleProbe:
         else:
             self.kind_reason = "given (--kind, or kind= from Python)"
             if self.kind.cross and not self.cross:
+                elsewhere = self._cross_elsewhere(x)
+                if elsewhere is not None:
+                    # the layer found does not read the second sequence, yet the target
+                    # does, in another attention layer: that one is the cross layer
+                    raise Unsupported(
+                        f"{self.tgt.text}: not supported yet: --kind cross, and the attention "
+                        f"layer found first ({self.entry.path!r}) reads no second sequence "
+                        f"while {elsewhere!r} does (a decoder block holding self- and "
+                        "cross-attention): check the cross-attention layer itself"
+                    )
                 self._expect_second_sequence()
                 self.calls = self._probe(x)
             if self.kind.causal and self.adapter["hf"]:
@@ -1012,6 +1023,41 @@ class ModuleProbe:
         except (TypeError, ValueError):
             return None
         return params[position].name if position < len(params) else None
+
+    def _cross_elsewhere(self, x: torch.Tensor) -> str | None:
+        """The path of another attention layer of the target that reads a second sequence,
+        where the layer found (inside a wrapper) reads none: run once with one handed in."""
+        if self.entry is None or self.host is not None:
+            return None
+        if not (self.adapter.get("optional_second") or self.adapter.get("pair")):
+            return None
+        ctx = torch.randn(
+            *x.shape[:-2],
+            x.shape[-2] + 3,
+            self._context_width or x.shape[-1],
+            generator=self.discovery_gen,
+        )
+        rec = self._recorder(x, ctx)
+        pair = self.adapter.get("pair")
+        self.adapter["pair"] = True
+        try:
+            with rec:
+                _, err = self._invoke_root(x, other=ctx)
+        finally:
+            self.adapter["pair"] = pair
+        if err is not None:
+            return None
+        cores = attention_cores(rec, self.module)
+        g = Graph(rec)
+        for core in cores:
+            node = core.k_node if core.k_node is not None else core.v_node
+            if node is not None and "input:1" in g.roots(node):
+                layers = [c for c in rec.modules if c.path and c.start <= node < c.end]
+                inner = max(layers, key=lambda c: c.depth, default=None)
+                path = inner.path if inner is not None else ""
+                if path != self.entry.path:
+                    return path
+        return None
 
     def _handed_residuals(self, x: torch.Tensor, shape: torch.Size) -> None:
         """Arguments the model hands a layer, shaped as its hidden states, that the layer adds

@@ -411,13 +411,20 @@ class _Reader:
         if first is None or first.output.dim() != 3:
             return None
         n = first.output.shape[1]
+        # what a product of two tensors made from the input made (scores, weights): a chunk
+        # of queries' weights times the values keeps no whole tokens axis, and is no k'^T v
+        scored: set[int] = set()
         for op in self.ops:
+            if any(a in scored for a in op.args):
+                scored.add(op.index)
+                continue
             if op.name not in _PRODUCT or len(self.g.tainted_args(op)) < 2:
                 continue
             sizes = [self.ops[a].output.numel() for a in self.g.tainted_args(op)]
             out = op.output
             if out.dim() >= 2 and out.numel() % n and not any(size % n for size in sizes):
                 return op
+            scored.add(op.index)
         return None
 
     def _scan(self):

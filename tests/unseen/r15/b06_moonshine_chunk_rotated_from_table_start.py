@@ -78,9 +78,15 @@ class MoonshineAttention(nn.Module):
         current_states = key_value_states if is_cross_attention else hidden_states
         kv_len = current_states.shape[1]
 
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        key_states = self.k_proj(current_states).view(bsz, kv_len, -1, self.head_dim).transpose(1, 2)
-        value_states = self.v_proj(current_states).view(bsz, kv_len, -1, self.head_dim).transpose(1, 2)
+        query_states = (
+            self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        )
+        key_states = (
+            self.k_proj(current_states).view(bsz, kv_len, -1, self.head_dim).transpose(1, 2)
+        )
+        value_states = (
+            self.v_proj(current_states).view(bsz, kv_len, -1, self.head_dim).transpose(1, 2)
+        )
 
         if position_embeddings is not None:
             cos, sin = position_embeddings
@@ -119,7 +125,9 @@ class MoonshineEncoderMLP(nn.Module):
 class MoonshineEncoderLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.self_attn = MoonshineAttention(config, config.encoder_num_attention_heads, is_causal=False, is_cross=False)
+        self.self_attn = MoonshineAttention(
+            config, config.encoder_num_attention_heads, is_causal=False, is_cross=False
+        )
         self.mlp = MoonshineEncoderMLP(config)
         self.input_layernorm = nn.LayerNorm(config.hidden_size, bias=False)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, bias=False)
@@ -135,8 +143,12 @@ class MoonshineEncoderLayer(nn.Module):
 class MoonshineDecoderLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.self_attn = MoonshineAttention(config, config.decoder_num_attention_heads, is_causal=True, is_cross=False)
-        self.encoder_attn = MoonshineAttention(config, config.decoder_num_attention_heads, is_causal=False, is_cross=True)
+        self.self_attn = MoonshineAttention(
+            config, config.decoder_num_attention_heads, is_causal=True, is_cross=False
+        )
+        self.encoder_attn = MoonshineAttention(
+            config, config.decoder_num_attention_heads, is_causal=False, is_cross=True
+        )
         self.mlp = MoonshineEncoderMLP(config)
         self.input_layernorm = nn.LayerNorm(config.hidden_size, bias=False)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, bias=False)
@@ -163,7 +175,9 @@ class MoonshineEncoder(nn.Module):
         self.layer_norm = nn.LayerNorm(config.hidden_size, bias=False)
 
     def forward(self, inputs_embeds):
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(
+            0
+        )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers:
@@ -179,7 +193,9 @@ class MoonshineDecoder(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, bias=False)
 
     def forward(self, inputs_embeds, encoder_hidden_states=None):
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(
+            0
+        )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers:

@@ -92,7 +92,10 @@ class Gemma3Attention(nn.Module):
         self.k_norm = Gemma3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         # heads of a group -> kv groups -> batch
         self._attend = vmap(
-            vmap(vmap(single_head_attention, in_dims=(0, None, None, None, None)), in_dims=(0, 0, 0, None, None)),
+            vmap(
+                vmap(single_head_attention, in_dims=(0, None, None, None, None)),
+                in_dims=(0, 0, 0, None, None),
+            ),
             in_dims=(0, 0, 0, None, None),
         )
 
@@ -120,7 +123,9 @@ class Gemma3Attention(nn.Module):
         query_states = self.q_norm(query_states)
 
         # (b, heads, t, d) -> (b, kv_heads, heads_per_group, t, d): consecutive heads share a kv head
-        grouped_q = query_states.view(bsz, self.num_kv_heads, self.num_key_value_groups, q_len, self.head_dim)
+        grouped_q = query_states.view(
+            bsz, self.num_kv_heads, self.num_key_value_groups, q_len, self.head_dim
+        )
         bias = self._bias(q_len, q_len, query_states.dtype, query_states.device)
         attn_output = self._attend(grouped_q, key_states, value_states, bias, self.scaling)
         attn_output = attn_output.reshape(bsz, self.num_heads, q_len, self.head_dim)
@@ -137,7 +142,9 @@ class Gemma3MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(
+            nn.functional.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)
+        )
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -162,7 +169,9 @@ class Gemma3DecoderLayer(nn.Module):
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = residual + hidden_states
         residual = hidden_states
-        hidden_states = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden_states)))
+        hidden_states = self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        )
         return residual + hidden_states
 
 
@@ -176,7 +185,9 @@ class Gemma3TextModel(nn.Module):
         self.rotary_emb_local = Gemma3RotaryEmbedding(config.head_dim, config.rope_local_base_freq)
 
     def forward(self, inputs_embeds):
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(
+            0
+        )
         position_ids = position_ids.expand(inputs_embeds.shape[0], -1)
         pe_global = self.rotary_emb(inputs_embeds, position_ids)
         pe_local = self.rotary_emb_local(inputs_embeds, position_ids)

@@ -63,15 +63,31 @@ class Qwen2AttentionExport(nn.Module):
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=True
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=True
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states, cos, sin, attention_mask):
         bsz, q_len, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).reshape(bsz, q_len, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
-        k = self.k_proj(hidden_states).reshape(bsz, q_len, self.num_key_value_heads, self.head_dim).permute(0, 2, 1, 3)
-        v = self.v_proj(hidden_states).reshape(bsz, q_len, self.num_key_value_heads, self.head_dim).permute(0, 2, 1, 3)
+        q = (
+            self.q_proj(hidden_states)
+            .reshape(bsz, q_len, self.num_heads, self.head_dim)
+            .permute(0, 2, 1, 3)
+        )
+        k = (
+            self.k_proj(hidden_states)
+            .reshape(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .permute(0, 2, 1, 3)
+        )
+        v = (
+            self.v_proj(hidden_states)
+            .reshape(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .permute(0, 2, 1, 3)
+        )
 
         cos = cos.reshape(1, 1, q_len, self.head_dim)
         sin = sin.reshape(1, 1, q_len, self.head_dim)
@@ -113,7 +129,9 @@ class Qwen2DecoderLayerExport(nn.Module):
 
     def forward(self, hidden_states, cos, sin, attention_mask):
         residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos, sin, attention_mask)
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), cos, sin, attention_mask
+        )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 

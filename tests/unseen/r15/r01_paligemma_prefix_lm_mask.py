@@ -81,7 +81,9 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, x, position_embeddings, attention_mask):
         x = x + self.self_attn(self.input_layernorm(x), position_embeddings, attention_mask)
         h = self.post_attention_layernorm(x)
-        return x + self.down_proj(nn.functional.gelu(self.gate_proj(h), approximate="tanh") * self.up_proj(h))
+        return x + self.down_proj(
+            nn.functional.gelu(self.gate_proj(h), approximate="tanh") * self.up_proj(h)
+        )
 
 
 class PaliGemmaLanguageModel(nn.Module):
@@ -90,13 +92,18 @@ class PaliGemmaLanguageModel(nn.Module):
         self.config = config
         self.layers = nn.ModuleList([GemmaDecoderLayer(config)])
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
+        inv_freq = 1.0 / (
+            config.rope_theta
+            ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim)
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _update_causal_mask(self, token_type_ids, dtype):
         seq_len = token_type_ids.shape[1]
         min_dtype = torch.finfo(dtype).min
-        causal_mask = torch.full((seq_len, seq_len), min_dtype, dtype=dtype, device=token_type_ids.device)
+        causal_mask = torch.full(
+            (seq_len, seq_len), min_dtype, dtype=dtype, device=token_type_ids.device
+        )
         causal_mask = torch.triu(causal_mask, diagonal=1)
         causal_mask = causal_mask[None, None].expand(token_type_ids.shape[0], 1, -1, -1).clone()
         # prefix tokens (image + prompt) see the whole prefix
@@ -107,7 +114,11 @@ class PaliGemmaLanguageModel(nn.Module):
     def forward(self, inputs_embeds):
         bsz, seq_len, _ = inputs_embeds.shape
         prefix = self.config.num_image_tokens + self.config.prompt_tokens
-        token_type_ids = (torch.arange(seq_len, device=inputs_embeds.device) >= prefix).long()[None].expand(bsz, -1)
+        token_type_ids = (
+            (torch.arange(seq_len, device=inputs_embeds.device) >= prefix)
+            .long()[None]
+            .expand(bsz, -1)
+        )
         mask = self._update_causal_mask(token_type_ids, inputs_embeds.dtype)
         pos = torch.arange(seq_len, device=inputs_embeds.device, dtype=torch.float64)
         freqs = pos[:, None] * self.inv_freq[None, :]

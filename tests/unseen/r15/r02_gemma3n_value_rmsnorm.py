@@ -44,10 +44,18 @@ class Gemma3nTextAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = 1.0
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=False
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
+        )
         self.q_norm = Gemma3nRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Gemma3nRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.v_norm = Gemma3nRMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
@@ -80,7 +88,9 @@ class Gemma3nDecoderLayer(nn.Module):
         self.post_attention_layernorm = Gemma3nRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, position_embeddings, attention_mask):
-        return x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), position_embeddings, attention_mask))
+        return x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), position_embeddings, attention_mask)
+        )
 
 
 class Gemma3nTextModel(nn.Module):
@@ -88,7 +98,10 @@ class Gemma3nTextModel(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList([Gemma3nDecoderLayer(config)])
         self.norm = Gemma3nRMSNorm(config.hidden_size, config.rms_norm_eps)
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
+        inv_freq = 1.0 / (
+            config.rope_theta
+            ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim)
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, inputs_embeds):
@@ -97,7 +110,9 @@ class Gemma3nTextModel(nn.Module):
         freqs = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[None]
         pe = (emb.cos().to(dtype), emb.sin().to(dtype))
-        mask = torch.triu(torch.full((n, n), torch.finfo(dtype).min, dtype=dtype), diagonal=1)[None, None]
+        mask = torch.triu(torch.full((n, n), torch.finfo(dtype).min, dtype=dtype), diagonal=1)[
+            None, None
+        ]
         h = inputs_embeds
         for layer in self.layers:
             h = layer(h, pe, mask)
