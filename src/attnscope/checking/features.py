@@ -621,12 +621,12 @@ class Features:
             if not any(a in made for a in op.args) or any(self.g.param[a] for a in op.args):
                 continue
             if op.name in _MATMULS and sum(a in made for a in set(op.args)) >= 2:
-                self._unmodelled(
+                # no reading of one softmax's weights can hold this layer: refused outright
+                self._refuse(
                     "attention weights made as a product of softmax maps (the softmax "
                     "approximated through landmarks, Nystromformer's?)",
                     op.location,
                 )
-                return
             made.add(op.index)
 
     def _score_path(self, core: Core) -> None:
