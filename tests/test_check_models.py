@@ -4,6 +4,7 @@ checked where it sits (on the masks and positions the model gives it), in run or
 from __future__ import annotations
 
 import json
+import math
 import types
 
 import jsonschema
@@ -1053,3 +1054,52 @@ def test_heads_computed_apart_and_projected_together_are_one_layer(slip):
     assert report.ok != slip, report.to_text(color=False)
     if slip:
         assert report.first_layer == "blocks.1"
+
+
+class _OnlineSoftmaxAttention(torch.nn.Module):
+    """A FlashAttention-1 loop written by hand: key blocks of 3, a running maximum and sum
+    rescaling the accumulated context, divided at the end (exact)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.qkv, self.out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x, block=3):
+        b, n, d = x.shape
+        q, k, v = (t.view(b, n, self.h, self.hd).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        m = torch.full((b, self.h, n, 1), float("-inf"))
+        total, acc = torch.zeros(b, self.h, n, 1), torch.zeros_like(q)
+        pos = torch.arange(n)
+        for start in range(0, n, block):
+            s = q @ k[:, :, start : start + block].transpose(-1, -2) / math.sqrt(self.hd)
+            s = s.masked_fill(pos[start : start + block][None, :] > pos[:, None], float("-inf"))
+            new = torch.maximum(m, s.amax(-1, keepdim=True))
+            p, alpha = torch.exp(s - new), torch.exp(m - new)
+            total = alpha * total + p.sum(-1, keepdim=True)
+            acc = alpha * acc + p @ v[:, :, start : start + block]
+            m = new
+        return self.out((acc / total).transpose(1, 2).reshape(b, n, d))
+
+
+class _OnlineSoftmaxLM(torch.nn.Module):
+    def __init__(self, vocab=50, d=32, layers=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(_OnlineSoftmaxAttention(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def test_layers_whose_context_an_online_softmax_rescales_are_all_found():
+    """The running factors are made from the scores; once projected, a layer's output is
+    not scores (only the first layer had been found)."""
+    report = check(lambda: _OnlineSoftmaxLM().eval())
+    assert report.ok, report.to_text(color=False)
+    assert len(report.layers) == 3

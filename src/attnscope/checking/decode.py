@@ -437,7 +437,12 @@ def make_cache(model: nn.Module, layers: int):
             cls = None
     cls = cls or KVCache
     cfg = getattr(model, "cfg", None)
-    n = cfg["n_layers"] if isinstance(cfg, dict) and "n_layers" in cfg else layers
+    if isinstance(cfg, dict) and "n_layers" in cfg:
+        n = cfg["n_layers"]
+    else:  # the attention layers it runs, or its longest stack of blocks, if longer: a
+        # slot too many is never read, one too few breaks the model inside its own cache
+        stacks = [len(m) for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+        n = max([layers, *stacks])
     return _new_cache(cls, n)
 
 

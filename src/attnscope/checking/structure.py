@@ -471,6 +471,11 @@ class _Reader:
                         projs.pop(a)
             if proj is not None:
                 projs[i] = proj
+                if after_context[i]:
+                    # a context projected (a layer's output): no longer scores, even where it
+                    # was rescaled by factors made from them (an online softmax's running
+                    # maximum and sum): a next layer's scores may be made from it
+                    after_score[i] = False
                 continue
             if op.position != 0:
                 continue

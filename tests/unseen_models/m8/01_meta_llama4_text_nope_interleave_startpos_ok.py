@@ -22,7 +22,12 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": True,
-    "layers": ["layers.0.attention", "layers.1.attention", "layers.2.attention", "layers.3.attention"],
+    "layers": [
+        "layers.0.attention",
+        "layers.1.attention",
+        "layers.2.attention",
+        "layers.3.attention",
+    ],
     "kind": "causal-multihead",
     "cache": "book-buffers",
     "structure": {
@@ -161,7 +166,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # a plain attribute, as in Meta's reference (not a buffer: Module.to(dtype) would cast it to real)
-        self.freqs_cis = precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len * 2, args.rope_theta)
+        self.freqs_cis = precompute_freqs_cis(
+            args.dim // args.n_heads, args.max_seq_len * 2, args.rope_theta
+        )
         self.current_pos = 0
 
     def reset_kv_cache(self):
@@ -180,7 +187,9 @@ class Transformer(nn.Module):
         freqs_cis = self.freqs_cis[offset : offset + seqlen]
         total = offset + seqlen
         # boolean mask, True = may attend; rows are the new tokens, columns all keys held
-        mask = torch.ones(seqlen, total, dtype=torch.bool, device=tokens.device).tril(diagonal=offset)
+        mask = torch.ones(seqlen, total, dtype=torch.bool, device=tokens.device).tril(
+            diagonal=offset
+        )
         for layer in self.layers:
             h = layer(h, start_pos, freqs_cis, mask)
         if start_pos is not None:

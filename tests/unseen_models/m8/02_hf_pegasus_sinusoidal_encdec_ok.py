@@ -73,7 +73,8 @@ class PegasusSinusoidalPositionalEmbedding(nn.Embedding):
     def _init_weight(out):
         n_pos, dim = out.shape
         position_enc = torch.tensor(
-            [[pos / (10000 ** (2 * (j // 2) / dim)) for j in range(dim)] for pos in range(n_pos)], dtype=torch.float64
+            [[pos / (10000 ** (2 * (j // 2) / dim)) for j in range(dim)] for pos in range(n_pos)],
+            dtype=torch.float64,
         )
         table = torch.empty(n_pos, dim, dtype=out.dtype)
         sentinel = dim // 2
@@ -84,7 +85,9 @@ class PegasusSinusoidalPositionalEmbedding(nn.Embedding):
     @torch.no_grad()
     def forward(self, input_ids_shape, past_key_values_length=0):
         bsz, seq_len = input_ids_shape[:2]
-        positions = torch.arange(past_key_values_length, past_key_values_length + seq_len, device=self.weight.device)
+        positions = torch.arange(
+            past_key_values_length, past_key_values_length + seq_len, device=self.weight.device
+        )
         return super().forward(positions)
 
 
@@ -139,7 +142,9 @@ class PegasusEncoderLayer(nn.Module):
     def forward(self, hidden_states, attention_mask):
         residual = hidden_states
         hidden_states = self.self_attn_layer_norm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.fc2(F.gelu(self.fc1(self.final_layer_norm(hidden_states))))
@@ -160,11 +165,15 @@ class PegasusDecoderLayer(nn.Module):
     def forward(self, hidden_states, attention_mask, encoder_hidden_states):
         residual = hidden_states
         hidden_states = self.self_attn_layer_norm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.encoder_attn_layer_norm(hidden_states)
-        hidden_states, _ = self.encoder_attn(hidden_states=hidden_states, key_value_states=encoder_hidden_states)
+        hidden_states, _ = self.encoder_attn(
+            hidden_states=hidden_states, key_value_states=encoder_hidden_states
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.fc2(F.gelu(self.fc1(self.final_layer_norm(hidden_states))))
@@ -176,7 +185,9 @@ class PegasusEncoder(nn.Module):
         super().__init__()
         self.embed_scale = math.sqrt(c.d_model)
         self.embed_tokens = embed_tokens
-        self.embed_positions = PegasusSinusoidalPositionalEmbedding(c.max_position_embeddings, c.d_model)
+        self.embed_positions = PegasusSinusoidalPositionalEmbedding(
+            c.max_position_embeddings, c.d_model
+        )
         self.layers = nn.ModuleList([PegasusEncoderLayer(c) for _ in range(c.encoder_layers)])
         self.layer_norm = nn.LayerNorm(c.d_model)
 
@@ -193,7 +204,9 @@ class PegasusDecoder(nn.Module):
         super().__init__()
         self.embed_scale = math.sqrt(c.d_model)
         self.embed_tokens = embed_tokens
-        self.embed_positions = PegasusSinusoidalPositionalEmbedding(c.max_position_embeddings, c.d_model)
+        self.embed_positions = PegasusSinusoidalPositionalEmbedding(
+            c.max_position_embeddings, c.d_model
+        )
         self.layers = nn.ModuleList([PegasusDecoderLayer(c) for _ in range(c.decoder_layers)])
         self.layer_norm = nn.LayerNorm(c.d_model)
 
@@ -201,7 +214,9 @@ class PegasusDecoder(nn.Module):
         bsz, tgt_len = input_ids.shape
         inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
         dtype = inputs_embeds.dtype
-        causal = torch.full((tgt_len, tgt_len), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device)
+        causal = torch.full(
+            (tgt_len, tgt_len), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device
+        )
         causal = torch.triu(causal, diagonal=1)[None, None]
         hidden_states = inputs_embeds + self.embed_positions(input_ids.shape)
         for layer in self.layers:
@@ -231,15 +246,25 @@ class PegasusForConditionalGeneration(nn.Module):
         enc = self.model.encoder(input_ids)
         dec_ids = shift_tokens_right(input_ids, c.pad_token_id, c.decoder_start_token_id)
         dec = self.model.decoder(dec_ids, enc)
-        return SimpleNamespace(logits=self.lm_head(dec) + self.final_logits_bias, encoder_last_hidden_state=enc)
+        return SimpleNamespace(
+            logits=self.lm_head(dec) + self.final_logits_bias, encoder_last_hidden_state=enc
+        )
 
 
 def make_model():
     torch.manual_seed(802)
     c = SimpleNamespace(
-        vocab_size=150, d_model=80, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=160, decoder_ffn_dim=160, max_position_embeddings=64,
-        pad_token_id=0, decoder_start_token_id=0,
+        vocab_size=150,
+        d_model=80,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=160,
+        decoder_ffn_dim=160,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        decoder_start_token_id=0,
     )
     model = PegasusForConditionalGeneration(c)
     g = torch.Generator().manual_seed(8021)

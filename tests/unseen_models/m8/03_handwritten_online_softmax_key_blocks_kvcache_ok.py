@@ -136,7 +136,9 @@ class DecoderBlock(nn.Module):
         self.pre_norm = nn.LayerNorm(d_model)
         self.attention = OnlineSoftmaxAttention(d_model, n_heads, layer_idx)
         self.post_norm = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
 
     def forward(self, x, cache, start):
         x = x + self.attention(self.pre_norm(x), cache=cache, start=start)

@@ -52,7 +52,9 @@ class Qwen2MoeCache:
             self.value_cache.append(value_states)
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
     def get_seq_length(self, layer_idx=0):
@@ -80,7 +82,9 @@ class Qwen2MoeRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x, position_ids):
-        inv = self.inv_freq[None, :, None].to(x.dtype if x.dtype == torch.float64 else torch.float32)
+        inv = self.inv_freq[None, :, None].to(
+            x.dtype if x.dtype == torch.float64 else torch.float32
+        )
         freqs = (inv @ position_ids[:, None, :].to(inv.dtype)).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -101,7 +105,9 @@ def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
     if n_rep == 1:
         return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -115,8 +121,12 @@ class Qwen2MoeAttention(nn.Module):
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=True
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=True
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_value=None):
@@ -128,14 +138,19 @@ class Qwen2MoeAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         if past_key_value is not None:
-            key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_value.update(
+                key_states, value_states, self.layer_idx
+            )
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
         attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask[:, :, :, : key_states.shape[-2]]
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype) \
-            if query_states.dtype != torch.float64 else F.softmax(attn_weights, dim=-1)
+        attn_weights = (
+            F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
+            if query_states.dtype != torch.float64
+            else F.softmax(attn_weights, dim=-1)
+        )
         attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
         attn_output = attn_output.reshape(*input_shape, -1)
         return self.o_proj(attn_output), attn_weights
@@ -158,7 +173,9 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList([Qwen2MoeMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts)])
+        self.experts = nn.ModuleList(
+            [Qwen2MoeMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts)]
+        )
         self.shared_expert = Qwen2MoeMLP(config, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
@@ -176,7 +193,9 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
                 continue
             cur = self.experts[e](hidden_states[top_x]) * routing_weights[top_x, idx, None]
             final.index_add_(0, top_x, cur.to(hidden_states.dtype))
-        shared = self.shared_expert(hidden_states) * torch.sigmoid(self.shared_expert_gate(hidden_states))
+        shared = self.shared_expert(hidden_states) * torch.sigmoid(
+            self.shared_expert_gate(hidden_states)
+        )
         return (final + shared).view(b, s, d)
 
 
@@ -195,8 +214,10 @@ class Qwen2MoeDecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states, position_embeddings=position_embeddings,
-            attention_mask=attention_mask, past_key_value=past_key_value,
+            hidden_states=hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_value=past_key_value,
         )
         hidden_states = residual + hidden_states
         residual = hidden_states
@@ -207,9 +228,13 @@ class Qwen2MoeModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen2MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [Qwen2MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = Qwen2MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen2MoeRotaryEmbedding(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        self.rotary_emb = Qwen2MoeRotaryEmbedding(
+            config.hidden_size // config.num_attention_heads, config.rope_theta
+        )
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         inputs_embeds = self.embed_tokens(input_ids)
@@ -221,8 +246,12 @@ class Qwen2MoeModel(nn.Module):
         position_ids = cache_position.unsqueeze(0)
         total = past_seen + seq_len
         dtype = inputs_embeds.dtype
-        causal = torch.full((seq_len, total), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device)
-        causal = causal * (torch.arange(total, device=input_ids.device) > cache_position.reshape(-1, 1))
+        causal = torch.full(
+            (seq_len, total), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device
+        )
+        causal = causal * (
+            torch.arange(total, device=input_ids.device) > cache_position.reshape(-1, 1)
+        )
         causal = causal[None, None].expand(input_ids.shape[0], 1, -1, -1)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -239,15 +268,27 @@ class Qwen2MoeForCausalLM(nn.Module):
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         hidden, cache = self.model(input_ids, past_key_values=past_key_values, use_cache=use_cache)
-        return SimpleNamespace(logits=self.lm_head(hidden), past_key_values=cache if use_cache else None)
+        return SimpleNamespace(
+            logits=self.lm_head(hidden), past_key_values=cache if use_cache else None
+        )
 
 
 def make_model():
     torch.manual_seed(804)
     config = SimpleNamespace(
-        vocab_size=160, hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
-        shared_expert_intermediate_size=96, num_experts=4, num_experts_per_tok=2, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0, mlp_only_layers=[0],
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        mlp_only_layers=[0],
     )
     model = Qwen2MoeForCausalLM(config)
     g = torch.Generator().manual_seed(8041)

@@ -23,7 +23,11 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["transformer.h.0.attention", "transformer.h.1.attention", "transformer.h.2.attention"],
+    "layers": [
+        "transformer.h.0.attention",
+        "transformer.h.1.attention",
+        "transformer.h.2.attention",
+    ],
     "kind": "causal-multihead",
     "cache": None,
     "layer": "transformer.h.2.attention",
@@ -76,8 +80,11 @@ def apply_rotary_emb(xq, xk, cos, sin):
 
 def make_causal_bias(seq_len, dtype, device):
     causal = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device))
-    return torch.where(causal, torch.tensor(0.0, dtype=dtype, device=device),
-                       torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device))
+    return torch.where(
+        causal,
+        torch.tensor(0.0, dtype=dtype, device=device),
+        torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device),
+    )
 
 
 def dot_product_attention_weights(query, key, bias):
@@ -150,7 +157,9 @@ class FlaxLLaMABlock(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, attention_bias, position_ids):
-        attn_output = self.attention(self.attention_norm(hidden_states), attention_bias, position_ids)
+        attn_output = self.attention(
+            self.attention_norm(hidden_states), attention_bias, position_ids
+        )
         hidden_states = hidden_states + attn_output
         return hidden_states + self.feed_forward(self.ffn_norm(hidden_states))
 
@@ -160,7 +169,10 @@ class FlaxLLaMAModule(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.h = nn.ModuleDict(
-            {str(i): FlaxLLaMABlock(config, config.attn_fn_per_block[i]) for i in range(config.num_hidden_layers)}
+            {
+                str(i): FlaxLLaMABlock(config, config.attn_fn_per_block[i])
+                for i in range(config.num_hidden_layers)
+            }
         )
         self.ln_f = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -187,8 +199,14 @@ class FlaxLLaMAForCausalLMModule(nn.Module):
 def make_model():
     torch.manual_seed(805)
     config = SimpleNamespace(
-        vocab_size=130, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-        max_sequence_length=64, rms_norm_eps=1e-6, attn_fn_per_block=["softmax", "softmax", "sigmoid"],
+        vocab_size=130,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_sequence_length=64,
+        rms_norm_eps=1e-6,
+        attn_fn_per_block=["softmax", "softmax", "sigmoid"],
     )
     model = FlaxLLaMAForCausalLMModule(config)
     g = torch.Generator().manual_seed(8051)

@@ -44,7 +44,9 @@ class ExportSelfAttention(nn.Module):
         self.out = nn.Linear(n_embd, n_embd)
         allowed = torch.tril(torch.ones(max_len, max_len))
         self.register_buffer("mask_bias", (1.0 - allowed) * -10000.0, persistent=False)
-        self.register_buffer("inv_scale", torch.tensor(1.0 / math.sqrt(self.head_size)), persistent=False)
+        self.register_buffer(
+            "inv_scale", torch.tensor(1.0 / math.sqrt(self.head_size)), persistent=False
+        )
 
     def forward(self, x):
         b, t, c = x.shape[0], x.shape[1], x.shape[2]
@@ -90,7 +92,9 @@ class ExportableGPT(nn.Module):
         super().__init__()
         self.tok_embedding = nn.Embedding(vocab, n_embd)
         self.pos_embedding = nn.Embedding(max_len, n_embd)
-        self.body = nn.ModuleList([ExportBlock(n_embd, n_head, max_len, i in ring_layers) for i in range(n_layer)])
+        self.body = nn.ModuleList(
+            [ExportBlock(n_embd, n_head, max_len, i in ring_layers) for i in range(n_layer)]
+        )
         self.ln_out = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab, bias=False)
         self.register_buffer("position_ids", torch.arange(max_len).unsqueeze(0), persistent=False)

@@ -76,10 +76,16 @@ class Phi3SmallSelfAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_q_per_kv = self.num_heads // self.num_key_value_heads
         self.blocksparse = (layer_idx + 1) % config.dense_attention_every_n_layers == 0
-        norm_factor = (self.head_dim / config.mup_attn_multiplier) if config.mup_use_scaling else math.sqrt(self.head_dim)
+        norm_factor = (
+            (self.head_dim / config.mup_attn_multiplier)
+            if config.mup_use_scaling
+            else math.sqrt(self.head_dim)
+        )
         self.softmax_scale = 1.0 / norm_factor
         self.query_key_value = nn.Linear(
-            self.hidden_size, (self.num_heads + 2 * self.num_key_value_heads) * self.head_dim, bias=True
+            self.hidden_size,
+            (self.num_heads + 2 * self.num_key_value_heads) * self.head_dim,
+            bias=True,
         )
         self.dense = nn.Linear(self.hidden_size, self.hidden_size, bias=True)
         self.rotary_emb = RotaryEmbedding(self.head_dim, base=config.rope_embedding_base)
@@ -102,7 +108,9 @@ class Phi3SmallSelfAttention(nn.Module):
         q = q.transpose(1, 2)
         k = k.transpose(1, 2).repeat_interleave(self.num_q_per_kv, dim=1)
         v = v.transpose(1, 2).repeat_interleave(self.num_q_per_kv, dim=1)
-        scores = self._blocksparse_free_scores(q, k) if self.blocksparse else self._dense_scores(q, k)
+        scores = (
+            self._blocksparse_free_scores(q, k) if self.blocksparse else self._dense_scores(q, k)
+        )
         scores = scores * self.softmax_scale
         causal = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
@@ -128,7 +136,9 @@ class Phi3SmallDecoderLayer(nn.Module):
         self.self_attn = Phi3SmallSelfAttention(config, layer_idx)
         self.mlp = Phi3SmallMLP(config)
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.post_attention_layernorm = nn.LayerNorm(
+            config.hidden_size, eps=config.layer_norm_epsilon
+        )
 
     def forward(self, hidden_states):
         residual = hidden_states
@@ -142,7 +152,9 @@ class Phi3SmallModel(nn.Module):
         super().__init__()
         self.mup_embedding_multiplier = config.mup_embedding_multiplier
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Phi3SmallDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [Phi3SmallDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
     def forward(self, input_ids):
@@ -167,10 +179,20 @@ class Phi3SmallForCausalLM(nn.Module):
 def make_model():
     torch.manual_seed(807)
     config = SimpleNamespace(
-        vocab_size=180, hidden_size=64, ff_intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, layer_norm_epsilon=1e-5, rope_embedding_base=1000000.0,
-        dense_attention_every_n_layers=2, mup_use_scaling=False, mup_attn_multiplier=1.0,
-        mup_embedding_multiplier=10.0, mup_width_multiplier=8.0, gegelu_limit=20.0,
+        vocab_size=180,
+        hidden_size=64,
+        ff_intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_norm_epsilon=1e-5,
+        rope_embedding_base=1000000.0,
+        dense_attention_every_n_layers=2,
+        mup_use_scaling=False,
+        mup_attn_multiplier=1.0,
+        mup_embedding_multiplier=10.0,
+        mup_width_multiplier=8.0,
+        gegelu_limit=20.0,
     )
     model = Phi3SmallForCausalLM(config)
     g = torch.Generator().manual_seed(8071)

@@ -70,15 +70,20 @@ class M2M100SinusoidalPositionalEmbedding(nn.Module):
         super().__init__()
         self.offset = 2
         self.padding_idx = padding_idx
-        self.register_buffer("weights", self.get_embedding(num_positions + self.offset, embedding_dim, padding_idx),
-                             persistent=False)
+        self.register_buffer(
+            "weights",
+            self.get_embedding(num_positions + self.offset, embedding_dim, padding_idx),
+            persistent=False,
+        )
 
     @staticmethod
     def get_embedding(num_embeddings, embedding_dim, padding_idx):
         half_dim = embedding_dim // 2
         emb = math.log(10000) / (half_dim - 1)
         emb = torch.exp(torch.arange(half_dim, dtype=torch.int64).float() * -emb)
-        emb = torch.arange(num_embeddings, dtype=torch.int64).float().unsqueeze(1) * emb.unsqueeze(0)
+        emb = torch.arange(num_embeddings, dtype=torch.int64).float().unsqueeze(1) * emb.unsqueeze(
+            0
+        )
         emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=1).view(num_embeddings, -1)
         emb[padding_idx, :] = 0
         return emb
@@ -115,7 +120,11 @@ class M2M100Attention(nn.Module):
         if attention_mask is not None:
             attn_weights = self._apply_mask(attn_weights, attention_mask)
         attn_weights = F.softmax(attn_weights, dim=-1)
-        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).reshape(bsz, tgt_len, self.embed_dim)
+        attn_output = (
+            torch.matmul(attn_weights, value_states)
+            .transpose(1, 2)
+            .reshape(bsz, tgt_len, self.embed_dim)
+        )
         return self.out_proj(attn_output), None
 
 
@@ -146,7 +155,9 @@ class M2M100EncoderLayer(nn.Module):
 class M2M100DecoderLayer(nn.Module):
     def __init__(self, c, layer_idx):
         super().__init__()
-        self.self_attn = ATTN_CLASSES[c.attn_class_per_layer[layer_idx]](c.d_model, c.decoder_attention_heads)
+        self.self_attn = ATTN_CLASSES[c.attn_class_per_layer[layer_idx]](
+            c.d_model, c.decoder_attention_heads
+        )
         self.self_attn_layer_norm = nn.LayerNorm(c.d_model)
         self.encoder_attn = M2M100Attention(c.d_model, c.decoder_attention_heads)
         self.encoder_attn_layer_norm = nn.LayerNorm(c.d_model)
@@ -162,7 +173,8 @@ class M2M100DecoderLayer(nn.Module):
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states, _ = self.encoder_attn(
-            hidden_states=self.encoder_attn_layer_norm(hidden_states), key_value_states=encoder_hidden_states
+            hidden_states=self.encoder_attn_layer_norm(hidden_states),
+            key_value_states=encoder_hidden_states,
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.fc2(F.relu(self.fc1(self.final_layer_norm(hidden_states))))
@@ -173,7 +185,9 @@ class M2M100Encoder(nn.Module):
         super().__init__()
         self.embed_scale = math.sqrt(c.d_model)
         self.embed_tokens = embed_tokens
-        self.embed_positions = M2M100SinusoidalPositionalEmbedding(c.max_position_embeddings, c.d_model, c.pad_token_id)
+        self.embed_positions = M2M100SinusoidalPositionalEmbedding(
+            c.max_position_embeddings, c.d_model, c.pad_token_id
+        )
         self.layers = nn.ModuleList([M2M100EncoderLayer(c) for _ in range(c.encoder_layers)])
         self.layer_norm = nn.LayerNorm(c.d_model)
 
@@ -190,7 +204,9 @@ class M2M100Decoder(nn.Module):
         super().__init__()
         self.embed_scale = math.sqrt(c.d_model)
         self.embed_tokens = embed_tokens
-        self.embed_positions = M2M100SinusoidalPositionalEmbedding(c.max_position_embeddings, c.d_model, c.pad_token_id)
+        self.embed_positions = M2M100SinusoidalPositionalEmbedding(
+            c.max_position_embeddings, c.d_model, c.pad_token_id
+        )
         self.layers = nn.ModuleList([M2M100DecoderLayer(c, i) for i in range(c.decoder_layers)])
         self.layer_norm = nn.LayerNorm(c.d_model)
 
@@ -222,7 +238,9 @@ class M2M100ForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids):
         enc = self.model.encoder(input_ids)
-        dec_ids = shift_tokens_right(input_ids, self.config.pad_token_id, self.config.decoder_start_token_id)
+        dec_ids = shift_tokens_right(
+            input_ids, self.config.pad_token_id, self.config.decoder_start_token_id
+        )
         dec = self.model.decoder(dec_ids, enc)
         return SimpleNamespace(logits=self.lm_head(dec), encoder_last_hidden_state=enc)
 
@@ -230,9 +248,18 @@ class M2M100ForConditionalGeneration(nn.Module):
 def make_model():
     torch.manual_seed(808)
     c = SimpleNamespace(
-        vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
-        pad_token_id=1, decoder_start_token_id=2, attn_class_per_layer=["eager", "where"],
+        vocab_size=128,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        decoder_start_token_id=2,
+        attn_class_per_layer=["eager", "where"],
     )
     model = M2M100ForConditionalGeneration(c)
     g = torch.Generator().manual_seed(8081)

@@ -25,10 +25,18 @@ import torch.nn.functional as F
 EXPECT = {
     "target": "make_model",
     "ok": False,
-    "layers": ["model.decoder.layers.0.self_attn", "model.decoder.layers.1.self_attn", "model.decoder.layers.2.self_attn"],
+    "layers": [
+        "model.decoder.layers.0.self_attn",
+        "model.decoder.layers.1.self_attn",
+        "model.decoder.layers.2.self_attn",
+    ],
     "kind": "causal-multihead",
     "cache": "hf",
-    "decode": {"mistake": "cache_positions", "step": 0, "layer": "model.decoder.layers.0.self_attn"},
+    "decode": {
+        "mistake": "cache_positions",
+        "step": 0,
+        "layer": "model.decoder.layers.0.self_attn",
+    },
     "style": "modeling_trocr.py TrOCRForCausalLM: embed_scale, offset-2 learned positions, layernorm_embedding, "
     "post-norm, (bsz*heads) bmm attention, legacy (k, v) tuples; slip: past length for positions read as "
     "past_key_values[0][0].shape[2] - 1",
@@ -43,7 +51,10 @@ class TrOCRLearnedPositionalEmbedding(nn.Embedding):
     def forward(self, input_ids, past_key_values_length=0):
         bsz, seq_len = input_ids.shape[:2]
         positions = torch.arange(
-            past_key_values_length, past_key_values_length + seq_len, dtype=torch.long, device=self.weight.device
+            past_key_values_length,
+            past_key_values_length + seq_len,
+            dtype=torch.long,
+            device=self.weight.device,
         ).expand(bsz, -1)
         return super().forward(positions + self.offset)
 
@@ -100,7 +111,9 @@ class TrOCRDecoderLayer(nn.Module):
     def forward(self, hidden_states, attention_mask=None, past_key_value=None):
         residual = hidden_states
         hidden_states, _, present = self.self_attn(
-            hidden_states=hidden_states, past_key_value=past_key_value, attention_mask=attention_mask
+            hidden_states=hidden_states,
+            past_key_value=past_key_value,
+            attention_mask=attention_mask,
         )
         hidden_states = self.self_attn_layer_norm(residual + hidden_states)
         residual = hidden_states
@@ -114,22 +127,32 @@ class TrOCRDecoder(nn.Module):
         super().__init__()
         self.embed_scale = math.sqrt(config.hidden_size) if config.scale_embedding else 1.0
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.embed_positions = TrOCRLearnedPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
+        self.embed_positions = TrOCRLearnedPositionalEmbedding(
+            config.max_position_embeddings, config.hidden_size
+        )
         self.layernorm_embedding = nn.LayerNorm(config.hidden_size)
-        self.layers = nn.ModuleList([TrOCRDecoderLayer(config) for _ in range(config.decoder_layers)])
+        self.layers = nn.ModuleList(
+            [TrOCRDecoderLayer(config) for _ in range(config.decoder_layers)]
+        )
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         bsz, seq_len = input_ids.shape
         kv_len = past_key_values[0][0].shape[2] if past_key_values is not None else 0
-        past_key_values_length = past_key_values[0][0].shape[2] - 1 if past_key_values is not None else 0
+        past_key_values_length = (
+            past_key_values[0][0].shape[2] - 1 if past_key_values is not None else 0
+        )
         inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
         embed_pos = self.embed_positions(input_ids, past_key_values_length=past_key_values_length)
         hidden_states = self.layernorm_embedding(inputs_embeds + embed_pos)
         dtype = hidden_states.dtype
-        mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device)
+        mask = torch.full(
+            (seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device
+        )
         mask = torch.triu(mask, diagonal=1)
         if kv_len > 0:
-            mask = torch.cat([torch.zeros(seq_len, kv_len, dtype=dtype, device=input_ids.device), mask], dim=-1)
+            mask = torch.cat(
+                [torch.zeros(seq_len, kv_len, dtype=dtype, device=input_ids.device), mask], dim=-1
+            )
         mask = mask[None, None].expand(bsz, 1, seq_len, seq_len + kv_len)
         next_cache = ()
         for idx, layer in enumerate(self.layers):
@@ -152,15 +175,23 @@ class TrOCRForCausalLM(nn.Module):
         self.output_projection = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
-        hidden, cache = self.model.decoder(input_ids, past_key_values=past_key_values, use_cache=use_cache)
+        hidden, cache = self.model.decoder(
+            input_ids, past_key_values=past_key_values, use_cache=use_cache
+        )
         return SimpleNamespace(logits=self.output_projection(hidden), past_key_values=cache)
 
 
 def make_model():
     torch.manual_seed(809)
     config = SimpleNamespace(
-        vocab_size=110, hidden_size=64, decoder_layers=3, decoder_attention_heads=4, decoder_ffn_dim=128,
-        max_position_embeddings=64, scale_embedding=True, pad_token_id=1,
+        vocab_size=110,
+        hidden_size=64,
+        decoder_layers=3,
+        decoder_attention_heads=4,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+        scale_embedding=True,
+        pad_token_id=1,
     )
     model = TrOCRForCausalLM(config)
     g = torch.Generator().manual_seed(8091)

@@ -149,7 +149,11 @@ class CausalMultiHeadSelfAttention(nn.Module):
 
     def forward(self, x, token_positions, use_cache=False):
         seq_len = x.shape[1]
-        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        q, k, v = (
+            self._heads(self.q_proj(x)),
+            self._heads(self.k_proj(x)),
+            self._heads(self.v_proj(x)),
+        )
         q = self.rope(q, token_positions)
         k = self.rope(k, token_positions)
         if use_cache:
@@ -159,7 +163,9 @@ class CausalMultiHeadSelfAttention(nn.Module):
                 return self._decode_step(q, k, v)
             k, v = self.k_cache, self.v_cache
         n_keys = k.shape[2]
-        mask = torch.ones(seq_len, n_keys, dtype=torch.bool, device=x.device).tril(diagonal=n_keys - seq_len)
+        mask = torch.ones(seq_len, n_keys, dtype=torch.bool, device=x.device).tril(
+            diagonal=n_keys - seq_len
+        )
         out = scaled_dot_product_attention(q, k, v, mask)
         return self.output_proj(self._merge(out))
 
@@ -178,12 +184,22 @@ class TransformerBlock(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    def __init__(self, vocab_size=150, context_length=64, d_model=64, num_layers=3, num_heads=4, d_ff=176,
-                 rope_theta=10000.0):
+    def __init__(
+        self,
+        vocab_size=150,
+        context_length=64,
+        d_model=64,
+        num_layers=3,
+        num_heads=4,
+        d_ff=176,
+        rope_theta=10000.0,
+    ):
         super().__init__()
         rope = RotaryPositionalEmbedding(rope_theta, d_model // num_heads, context_length)
         self.token_embeddings = Embedding(vocab_size, d_model)
-        self.layers = nn.ModuleList([TransformerBlock(d_model, num_heads, d_ff, rope) for _ in range(num_layers)])
+        self.layers = nn.ModuleList(
+            [TransformerBlock(d_model, num_heads, d_ff, rope) for _ in range(num_layers)]
+        )
         self.ln_final = RMSNorm(d_model)
         self.lm_head = Linear(d_model, vocab_size)
         self.current_pos = 0

@@ -62,7 +62,9 @@ def precompute_freqs_cis(dim, end, theta=10000.0):
 def apply_rotary_emb(xq, xk, seq_dim, freqs_cis):
     xq_ = xq.reshape(*xq.shape[:-1], -1, 1, 2)
     xk_ = xk.reshape(*xk.shape[:-1], -1, 1, 2)
-    shape = [d if i == seq_dim or i == xq_.ndim - 3 else 1 for i, d in enumerate(xq_.shape[:-2])] + [2, 2]
+    shape = [
+        d if i == seq_dim or i == xq_.ndim - 3 else 1 for i, d in enumerate(xq_.shape[:-2])
+    ] + [2, 2]
     freqs_cis = freqs_cis.view(*shape).to(xq.dtype)
     xq_out = (xq_ * freqs_cis).sum(5).flatten(3)
     xk_out = (xk_ * freqs_cis).sum(5).flatten(3)
@@ -74,13 +76,19 @@ def repeat_kv(x, n_rep, dim):
     bs, slen, n_kv_heads, head_dim = x.shape
     if n_rep == 1:
         return x
-    return x[:, :, :, None, :].expand(bs, slen, n_kv_heads, n_rep, head_dim).reshape(bs, slen, n_kv_heads * n_rep, head_dim)
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, slen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, slen, n_kv_heads * n_rep, head_dim)
+    )
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, theta, head_dim, max_seqlen):
         super().__init__()
-        self.register_buffer("freqs_cis", precompute_freqs_cis(head_dim, max_seqlen, theta), persistent=False)
+        self.register_buffer(
+            "freqs_cis", precompute_freqs_cis(head_dim, max_seqlen, theta), persistent=False
+        )
 
     def forward(self, seqlen: int, start: int = 0):
         return self.freqs_cis[start : start + seqlen]
@@ -127,7 +135,9 @@ class Attention(nn.Module):
         xk = repeat_kv(xk, self.heads_per_group, dim=2)
         xv = repeat_kv(xv, self.heads_per_group, dim=2)
         n_keys = xk.shape[1]
-        mask = torch.ones(seq_len, n_keys, dtype=torch.bool, device=x.device).tril(diagonal=n_keys - seq_len)
+        mask = torch.ones(seq_len, n_keys, dtype=torch.bool, device=x.device).tril(
+            diagonal=n_keys - seq_len
+        )
         xq, xk, xv = map(lambda e: e.transpose(1, 2), (xq, xk, xv))
         output = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=mask)
         output = output.transpose(1, 2).contiguous()
@@ -161,7 +171,9 @@ class TransformerBlock(nn.Module):
 class LMTransformer(nn.Module):
     def __init__(self, args: BaseTransformerArgs):
         super().__init__()
-        self.rope_embeddings = RotaryEmbedding(args.rope_theta, args.dim // args.n_heads, args.max_seqlen)
+        self.rope_embeddings = RotaryEmbedding(
+            args.rope_theta, args.dim // args.n_heads, args.max_seqlen
+        )
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList([TransformerBlock(args) for _ in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)

@@ -47,7 +47,9 @@ class HeliumCache:
             self.value_cache.append(value_states)
         else:
             self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat(
+                [self.value_cache[layer_idx], value_states], dim=-2
+            )
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
     def get_seq_length(self, layer_idx=0):
@@ -100,7 +102,9 @@ def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
     if n_rep == 1:
         return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -111,10 +115,18 @@ class HeliumAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = 1 / (self.head_dim**0.5)
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=False
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
+        )
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_value=None):
         input_shape = hidden_states.shape[:-1]
@@ -129,16 +141,22 @@ class HeliumAttention(nn.Module):
             key_states = repeat_kv(key_states, self.num_key_value_groups)
             value_states = repeat_kv(value_states, self.num_key_value_groups)
             if past_key_value is not None:
-                key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+                key_states, value_states = past_key_value.update(
+                    key_states, value_states, self.layer_idx
+                )
         else:
             if past_key_value is not None:
-                key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx)
+                key_states, value_states = past_key_value.update(
+                    key_states, value_states, self.layer_idx
+                )
             key_states = repeat_kv(key_states, self.num_key_value_groups)
             value_states = repeat_kv(value_states, self.num_key_value_groups)
         attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
         attn_weights = attn_weights + attention_mask[:, :, :, : key_states.shape[-2]]
         attn_weights = F.softmax(attn_weights, dim=-1)
-        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).reshape(*input_shape, -1)
+        attn_output = (
+            torch.matmul(attn_weights, value_states).transpose(1, 2).reshape(*input_shape, -1)
+        )
         return self.o_proj(attn_output), attn_weights
 
 
@@ -164,8 +182,10 @@ class HeliumDecoderLayer(nn.Module):
     def forward(self, hidden_states, attention_mask, position_embeddings, past_key_value):
         residual = hidden_states
         hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-            attention_mask=attention_mask, past_key_value=past_key_value,
+            hidden_states=self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_value=past_key_value,
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -175,7 +195,9 @@ class HeliumModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([HeliumDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [HeliumDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.norm = HeliumRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = HeliumRotaryEmbedding(config.head_dim, config.rope_theta)
 
@@ -208,14 +230,23 @@ class HeliumForCausalLM(nn.Module):
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         hidden, cache = self.model(input_ids, past_key_values=past_key_values, use_cache=use_cache)
-        return SimpleNamespace(logits=self.lm_head(hidden), past_key_values=cache if use_cache else None)
+        return SimpleNamespace(
+            logits=self.lm_head(hidden), past_key_values=cache if use_cache else None
+        )
 
 
 def make_model():
     torch.manual_seed(812)
     config = SimpleNamespace(
-        vocab_size=190, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-8, rope_theta=100000.0,
+        vocab_size=190,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-8,
+        rope_theta=100000.0,
     )
     model = HeliumForCausalLM(config)
     g = torch.Generator().manual_seed(8121)

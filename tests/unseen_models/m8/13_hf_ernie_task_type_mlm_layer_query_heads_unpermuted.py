@@ -49,7 +49,11 @@ class ErnieEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.task_type_embeddings = nn.Embedding(c.task_type_vocab_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.register_buffer("position_ids", torch.arange(c.max_position_embeddings).expand((1, -1)), persistent=False)
+        self.register_buffer(
+            "position_ids",
+            torch.arange(c.max_position_embeddings).expand((1, -1)),
+            persistent=False,
+        )
 
     def forward(self, input_ids, token_type_ids=None, task_type_ids=None):
         seq_length = input_ids.shape[1]
@@ -196,9 +200,17 @@ class ErnieForMaskedLM(nn.Module):
 def make_model():
     torch.manual_seed(813)
     c = SimpleNamespace(
-        vocab_size=150, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=64, type_vocab_size=2, task_type_vocab_size=3, layer_norm_eps=1e-12,
-        pad_token_id=0, fast_query_layers=(2,),
+        vocab_size=150,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        task_type_vocab_size=3,
+        layer_norm_eps=1e-12,
+        pad_token_id=0,
+        fast_query_layers=(2,),
     )
     model = ErnieForMaskedLM(c)
     g = torch.Generator().manual_seed(8131)
