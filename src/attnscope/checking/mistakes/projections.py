@@ -224,79 +224,60 @@ def _unsplit(h: T) -> T:
 
 
 def _fused_kv_splits(heads: int) -> list[Mutation]:
-    """:func:`_fused_splits` for one combined key/value projection ``(B, S, 2*D)``
-    (``[k|v]`` blocks, or per head ``[k_h|v_h]``) reshaped heads-first, or pair-first
-    ``(b, 2, heads, S, hd)``, before keys and values are cut from it: the keys show it first."""
-
-    def pack(k: T, v: T, per_head: bool) -> T:
-        b, n, d = k.shape
-        if per_head:
-            return torch.stack([t.view(b, n, heads, -1) for t in (k, v)], 3).reshape(b, n, -1)
-        return torch.cat([k, v], -1)
-
-    def cut(per_head: bool, heads_first: bool):
-        def kv(q: T, k: T, v: T) -> tuple[T, T, T]:
-            b, n, d = k.shape
-            packed = pack(k, v, per_head)
-            if heads_first:  # (B, H, S, 2*hd), then chunked on the last axis
-                parts = packed.reshape(b, heads, n, -1).chunk(2, -1)
-            else:  # (B, 2, H, S, hd), then unbound on the second
-                parts = packed.reshape(b, 2, heads, n, -1).unbind(1)
-            return (q, *(_unsplit(p) for p in parts))
-
-        return kv
-
-    out = []
-    for heads_first in (True, False):
-        shape = "(b, heads, tokens, 2*head_dim)" if heads_first else "(b, 2, heads, tokens, hd)"
-        for per_head in (True, False):
-            out.append(
-                Mutation(
-                    "heads_split",
-                    Stage.KEYS,
-                    f"the combined k/v projection's output reshaped straight to {shape}, "
-                    "mixing tokens and features",
-                    qkv=cut(per_head, heads_first),
-                )
-            )
-    return out
+    """One combined key/value projection ``(B, S, 2*D)`` reshaped wrongly before keys and
+    values are cut from it (see :func:`_packed_splits`): the keys show it first."""
+    return _packed_splits(heads, "kv", Stage.KEYS)
 
 
 def _fused_splits(heads: int) -> list[Mutation]:
-    """One combined projection's output ``(B, T, 3*D)`` reshaped heads-first before q, k
-    and v are cut from it: each cut mixes tokens, and the mixing reaches q, k and v
-    together, so it is a mutation of all three at once (for either packing of the weight:
-    per head ``[q_h|k_h|v_h]``, or ``[q|k|v]`` blocks)."""
+    """One combined q/k/v projection ``(B, T, 3*D)`` reshaped wrongly before q, k and v
+    are cut from it (see :func:`_packed_splits`): the queries show it first."""
+    return _packed_splits(heads, "qkv", Stage.QUERIES)
 
-    def pack(q: T, k: T, v: T, per_head: bool) -> T:
-        b, n, d = q.shape
+
+def _packed_splits(heads: int, roles: str, stage: Stage) -> list[Mutation]:
+    """One combined projection of ``roles`` (``"qkv"`` or ``"kv"``) reshaped heads-first
+    ``(b, heads, tokens, parts*hd)`` and chunked, or ``(b, parts, heads, tokens, hd)`` and
+    unbound, straight from ``(B, T, parts*D)``: each cut mixes tokens, and the mixing reaches
+    every role the projection makes at once. Both packings of the weight (per head
+    ``[q_h|k_h|v_h]``, or blocks ``[q|k|v]``) give the same raw output, each under its own
+    reading of the weight, so the label names the reshape, not the packing."""
+    parts = len(roles)
+
+    def pack(ts: list[T], per_head: bool) -> T:
+        b, n, _ = ts[0].shape
         if per_head:
-            return torch.stack([t.view(b, n, heads, -1) for t in (q, k, v)], 3).reshape(b, n, -1)
-        return torch.cat([q, k, v], -1)
+            return torch.stack([t.view(b, n, heads, -1) for t in ts], 3).reshape(b, n, -1)
+        return torch.cat(ts, -1)
 
     def cut(per_head: bool, heads_first: bool):
-        def qkv(q: T, k: T, v: T) -> tuple[T, T, T]:
-            b, n, d = q.shape
-            packed = pack(q, k, v, per_head)
-            if heads_first:  # (B, H, T, 3*hd), then chunked on the last axis
-                parts = packed.reshape(b, heads, n, -1).chunk(3, -1)
-            else:  # (B, 3, H, T, hd), then unbound on the second
-                parts = packed.reshape(b, 3, heads, n, -1).unbind(1)
-            return tuple(_unsplit(p) for p in parts)
+        def mutate(q: T, k: T, v: T) -> tuple[T, T, T]:
+            given = dict(zip("qkv", (q, k, v), strict=True))
+            b, n, _ = given[roles[0]].shape
+            packed = pack([given[r] for r in roles], per_head)
+            if heads_first:
+                pieces = packed.reshape(b, heads, n, -1).chunk(parts, -1)
+            else:
+                pieces = packed.reshape(b, parts, heads, n, -1).unbind(1)
+            given.update({r: _unsplit(p) for r, p in zip(roles, pieces, strict=True)})
+            return given["q"], given["k"], given["v"]
 
-        return qkv
+        return mutate
 
-    # both packings give the same raw output (each under its own reading of the weight),
-    # so the label names the reshape, not the packing
+    what = "q/k/v" if roles == "qkv" else "k/v"
     out = []
     for heads_first in (True, False):
-        shape = "(b, heads, tokens, 3*head_dim)" if heads_first else "(b, 3, heads, tokens, hd)"
+        shape = (
+            f"(b, heads, tokens, {parts}*head_dim)"
+            if heads_first
+            else f"(b, {parts}, heads, tokens, hd)"
+        )
         for per_head in (True, False):
             out.append(
                 Mutation(
                     "heads_split",
-                    Stage.QUERIES,
-                    f"the combined q/k/v projection's output reshaped straight to {shape}, "
+                    stage,
+                    f"the combined {what} projection's output reshaped straight to {shape}, "
                     "mixing tokens and features",
                     qkv=cut(per_head, heads_first),
                 )
