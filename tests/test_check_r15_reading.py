@@ -81,3 +81,36 @@ def test_kind_cross_on_a_block_whose_first_layer_is_self_attention_names_the_cro
     false alarm): refused, naming the layer that reads the second sequence."""
     with pytest.raises(AttnScopeError, match="'encoder_attn' does"):
         check(lambda: _DecoderBlock(), kind="cross")
+
+
+class _PrefixLM(nn.Module):
+    """PaliGemma's prefix-LM mask: the first ``prefix`` tokens see each other, the rest are
+    causal (``prefix=None``: no mask at all, a decoder that forgot its own)."""
+
+    def __init__(self, prefix=8, d=32, h=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.prefix, self.h, self.dk = prefix, h, d // h
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (
+            p(x).view(b, n, self.h, self.dk).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        s = q @ k.transpose(-1, -2) / math.sqrt(self.dk)
+        if self.prefix is not None:
+            pos = torch.arange(n)
+            hidden = (pos[None, :] > pos[:, None]) & (pos[None, :] >= self.prefix)
+            s = s.masked_fill(hidden, float("-inf"))
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+def test_a_layer_given_as_causal_is_read_on_a_longer_call_where_it_shows_no_mask():
+    """A prefix-LM mask hides nothing at 7 tokens; given as causal, the layer is read again
+    on a longer call, where the prefix shows: refused (it had been judged missing_mask). A
+    layer with no mask at any length keeps its verdict."""
+    with pytest.raises(AttnScopeError, match="mask of another pattern"):
+        check(lambda: _PrefixLM(8), kind="causal-multihead")
+    report = check(lambda: _PrefixLM(None), kind="causal-multihead")
+    assert outcome(report) == ("masked_scores", "missing_mask"), report.to_text(color=False)

@@ -61,8 +61,11 @@ _OPEN = {
     "hand: refused as an output gate",
     "r15/c08_gemma3_vmap_sliding_local": "torch.func.vmap over the heads: no attention recorded",
     "r15/c09_gemma3_vmap_global": "torch.func.vmap over the heads: no attention recorded",
-    "r15/r01_paligemma_prefix_lm_mask": "a prefix-LM mask reads as causal at the probe's "
-    "length (missing_mask) or bidirectional: a verdict, not a refusal",
+    "r15/r01_paligemma_prefix_lm_mask": (
+        "inferred",
+        "a prefix-LM mask hides nothing at the probe's length: with the kind inferred it is "
+        "an encoder there (given as causal, the longer call shows the prefix and refuses it)",
+    ),
     "r15/r03_stick_breaking_attention": "stick-breaking weights judged not_softmax, not refused",
     "r15/r02_gemma3n_value_rmsnorm": "refused, but naming the rotation it could not read, not "
     "the norm on the values",
@@ -132,6 +135,7 @@ _FEATURE_WORDS = {
     "custom_mask_pattern": "mask of another pattern",
     "relu_squared_gau": "gate",
     "depthwise_conv_qkv": "convolution over the tokens",
+    "prefix_lm_mask": "mask of another pattern",
     "key_query_convolution": "mixed across heads",
     "spatial_reduction": "pooled over the tokens",
     "rotary_before_projection": "rotation applied to the layer's input before",

@@ -693,9 +693,10 @@ class ModuleProbe:
         only shows on longer inputs (Llama 4's chunked attention is causal within chunks of
         a few tokens): the mask is read once more on a longer input, and a pattern the
         checker does not model there is refused."""
-        if self.fixed_tokens is not None or self.cross or st.causal is None:
-            return
-        if st.causal.startswith("is_causal"):
+        declared = self.kind is not None and self.kind.causal
+        if self.fixed_tokens is not None or self.cross or (st.causal is None and not declared):
+            return  # (no mask at this length in a layer given as causal: one may show later)
+        if st.causal is not None and st.causal.startswith("is_causal"):
             return  # the kernel's own causal mask: the same at every length
         limit = self._context_limit()
         longer = min(4 * tokens + 5, 40) if limit is None else min(4 * tokens + 5, 40, limit)
@@ -711,9 +712,10 @@ class ModuleProbe:
         try:
             read_structure(rec, self.module)
         except Unsupported as exc:
+            seen = st.causal.split(" (")[0] if st.causal is not None else "no mask"
             raise Unsupported(
-                f"{self.tgt.text}: {exc} (its mask, read as {st.causal.split(' (')[0]} at "
-                f"{tokens} tokens, shows this at {longer})"
+                f"{self.tgt.text}: {exc} (its mask, read as {seen} at {tokens} tokens, shows "
+                f"this at {longer})"
             ) from None
         except AttnScopeError:
             return
