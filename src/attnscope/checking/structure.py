@@ -267,6 +267,10 @@ class _Reader:
         self.g = Graph(rec)
         self.ops = rec.ops
         self.block: tuple[int, int] | None = None
+        #: how many sequences each weight was applied to one by one (1: the batch at once)
+        self.copies = 1
+        #: a projection's output values sorted, with their columns (see _sorted_columns)
+        self._sorted: dict[int, tuple[T, T] | None] = {}
 
     # -- projections and the core
     def layers(self, scanned: tuple | None = None) -> list[str]:
@@ -575,7 +579,6 @@ class _Reader:
                         roles[role].append(p)
         applied = {p.op.index for ps in roles.values() for p in ps}
         once = {r: _per_sequence_once(ps) for r, ps in roles.items()}
-        # how many sequences each weight was applied to, one by one (1: the batch at once)
         self.copies = max((len(roles[r]) // max(len(once[r]), 1) for r in roles), default=1)
         roles = once
         repeats = applied - {p.op.index for ps in roles.values() for p in ps}
@@ -814,7 +817,7 @@ class _Reader:
     def _sorted_columns(self, p: Projection) -> tuple[T, T] | None:
         """The projection's output values sorted, with the column each came from (made once
         per projection: every role's operand is looked up in it)."""
-        cache = self.__dict__.setdefault("_sorted", {})
+        cache = self._sorted
         if p.op.index not in cache:
             made = p.op.output.detach().double()
             rest = [i for i in range(made.dim()) if i not in p.rows]
@@ -834,7 +837,7 @@ class _Reader:
         them (a (B, H, T, hd) operand of a (B, T, 3*d) projection reads H*hd)."""
         rows = projs[0].op.output.numel() // projs[0].width
         read = sum(self.ops[n].output.numel() for n in set(nodes)) // max(rows, 1)
-        return read // max(getattr(self, "copies", 1), 1)  # one sequence's operands
+        return read // max(self.copies, 1)  # one sequence's operands
 
     def _shared(self, roles, cores) -> dict[str, str]:
         """Roles cut from the very same call as an earlier role (one combined weight).
