@@ -464,6 +464,7 @@ class Features:
             if op.index not in made or op.name not in _GATES:
                 continue
             others = [a for a in op.args if a not in made and self.g.tainted[a]]
+            others = [a for a in others if not self._from_scores_alone(a)]
             if any(self.ops[a].output.numel() > 1 for a in others):
                 self._unmodelled(
                     "an output gate (the context multiplied by another function of the input, "
@@ -482,6 +483,23 @@ class Features:
                         op.location,
                     )
                     return
+
+    def _from_scores_alone(self, node: int) -> bool:
+        """Whether a tensor is made from the input only through attention scores: a
+        softmax's bookkeeping (an online softmax's running rescale, the log-sum-exp
+        weights that merge attention over parts of the keys), not a gate."""
+        scores = {c.score.index for c in self.s.cores if c.score is not None}
+        if not scores:
+            return False
+        seen = self.g.ancestors(node, stop=scores)
+        if not seen & scores:
+            return False
+        made = set(self.s.projection_ops)
+        if self.s.input_node is not None:
+            made.add(self.s.input_node)
+        return not any(
+            i in made or (self.ops[i].leaf is not None and self.g.tainted[i]) for i in seen - scores
+        )
 
     def _convolved(self, core: Core) -> None:
         """A convolution wider than one token inside the layer, before its output projection

@@ -2280,20 +2280,32 @@ class ModuleProbe:
                     widths = {hd, ref.shape[1] * hd}
                     gains = gains_on_path(call.record.ops, graph, path, widths)
                 turned = _rotations_on_path(path, ref, b, hd) if word in st.qk_norm else []
-                user = _whole(call.record, graph, node, ref.numel()).to(torch.float64)
-                if role == "k" and user.numel() != ref.numel():
-                    # keys read back from a static cache: the slots it wrote, no others
-                    user = _written_slots(user, seen_keys(graph, core), ref.shape[2])
-                refs = [ref]
-                if ref.shape[1] != spec.num_heads:  # keys repeated for the query heads first
-                    g = spec.num_heads // ref.shape[1]
-                    refs += [ref.repeat_interleave(g, dim=1), ref.repeat(1, g, 1, 1)]
+                # (entries the operand holds, the heads of it that are the kv heads once)
+                kv = ref.shape[1]
+                refs = [(ref.numel(), None)]
+                if kv != spec.num_heads:  # keys repeated for the query heads first
+                    g = spec.num_heads // kv
+                    heads = (torch.arange(kv) * g, torch.arange(kv))  # interleaved, tiled
+                    refs += [(ref.numel() * g, h) for h in heads]
+
+                def forms(numel, once, node=node, role=role, ref=ref) -> list[torch.Tensor]:
+                    # the operand, or the whole tensor a piece of it was cut from (a part
+                    # of the repeated keys can hold as many entries as the keys themselves),
+                    # in each heads layout; repeated keys cut to one copy of each kv head
+                    user = _whole(call.record, graph, node, numel).to(torch.float64)
+                    if role == "k" and user.numel() != numel:
+                        # keys read back from a static cache: the slots it wrote, no others
+                        user = _written_slots(user, seen_keys(graph, core), ref.shape[2])
+                    h = ref.shape[1] if once is None else spec.num_heads
+                    found = as_heads(user, b, h, ref.shape[2], hd)
+                    return found if once is None else [f[:, once] for f in found]
+
                 found = next(
                     (
                         side
-                        for r in refs
-                        for form in as_heads(user, b, r.shape[1], r.shape[2], hd)
-                        if (side := read_side(r, form, gains, eps, turned)) is not None
+                        for numel, once in refs
+                        for form in forms(numel, once)
+                        if (side := read_side(ref, form, gains, eps, turned)) is not None
                     ),
                     None,
                 )

@@ -21,6 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+try:  # where torch.func.vmap's wrapper looks up the batching it runs (torch >= 2.0)
+    import torch._functorch.apis as _vmap_apis
+except ImportError:  # pragma: no cover - an older torch: vmap is left as it is
+    _vmap_apis = None
 
 __all__ = ["Op", "ModuleCall", "SdpaCall", "Recorder", "short_path", "tensors_in"]
 
@@ -161,6 +167,40 @@ def _op_name(func) -> str:
     return name
 
 
+def _vmap_as_loop(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs):
+    """``torch.func.vmap(func)(*args)`` computed as the loop it stands for: ``func`` on each
+    slice of the batched arguments, the results stacked on ``out_dims``.
+
+    Under vmap a function sees batched tensors the record cannot keep (they are gone when
+    the vmap returns), so a layer that vmaps one head's attention over its heads would
+    show no attention at all. The loop computes the same values from ordinary tensors,
+    and the record sees each head's scores, weights and context being made.
+    """
+    flat, spec = pytree.tree_flatten(args)
+    dims = pytree._broadcast_to_and_flatten(in_dims, spec)
+    if dims is None:  # in_dims that do not fit the arguments: vmap's own error says why
+        return _vmap_apis.__dict__["_attnscope_vmap_impl"](
+            func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs
+        )
+    dims = [None if d is None else d % x.dim() for x, d in zip(flat, dims, strict=True)]
+    sizes = {x.shape[d] for x, d in zip(flat, dims, strict=True) if d is not None}
+    if len(sizes) != 1:
+        return _vmap_apis.__dict__["_attnscope_vmap_impl"](
+            func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs
+        )
+    results = []
+    for i in range(sizes.pop()):
+        sliced = [x if d is None else x.select(d, i) for x, d in zip(flat, dims, strict=True)]
+        results.append(pytree.tree_flatten(func(*pytree.tree_unflatten(sliced, spec), **kwargs)))
+    out_spec = results[0][1]
+    out_dims_flat = pytree._broadcast_to_and_flatten(out_dims, out_spec)
+    stacked = []
+    for j, d in enumerate(out_dims_flat):
+        pieces = [flat_out[j] for flat_out, _ in results]
+        stacked.append(pieces[0] if d is None else torch.stack(pieces, dim=d))
+    return pytree.tree_unflatten(stacked, out_spec)
+
+
 class Recorder(TorchFunctionMode):
     """Context manager that records the dataflow of a call.
 
@@ -204,12 +244,20 @@ class Recorder(TorchFunctionMode):
                 reg.register_module_forward_pre_hook(self._enter_module),
                 reg.register_module_forward_hook(self._leave_module),
             ]
+        self._vmap_saved = None
+        if _vmap_apis is not None and hasattr(_vmap_apis, "vmap_impl"):
+            self._vmap_saved = _vmap_apis.vmap_impl
+            _vmap_apis._attnscope_vmap_impl = self._vmap_saved
+            _vmap_apis.vmap_impl = _vmap_as_loop
         return super().__enter__()
 
     def __exit__(self, *exc):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._vmap_saved is not None:
+            _vmap_apis.vmap_impl = self._vmap_saved
+            self._vmap_saved = None
         for call in self._open:  # a call that raised never left
             call.end = len(self.ops)
         self._open = []

@@ -26,6 +26,7 @@ Names play no part in any of it; they only label the report (:attr:`Projection.s
 from __future__ import annotations
 
 import ast
+import dataclasses
 import linecache
 import re
 
@@ -596,6 +597,12 @@ class _Reader:
             head_dim = self.ops[cores[0].v_node].output.shape[-1]
         heads = kv_heads = None
         widths = self._widths(roles, shared, cores)
+        if _keys_first(roles, shared, widths):
+            # the scores' first operand is made by the narrower projection, as wide as the
+            # values: keys @ queries^T (kv heads are never more than query heads)
+            roles["q"], roles["k"] = roles["k"], roles["q"]
+            widths = {**widths, "q": widths["k"], "k": widths["q"]}
+            cores = [dataclasses.replace(c, q_node=c.k_node, k_node=c.q_node) for c in cores]
         if cores[0].fused is not None and cores[0].fused.output.dim() >= 3:
             q_arg = self.ops[cores[0].q_node].output
             k_arg = self.ops[cores[0].k_node].output
@@ -1267,6 +1274,16 @@ _ROLE_WORDS = {
     "v": {"v", "value", "values", "wv"},
     "o": {"o", "out", "output", "wo"},
 }
+
+
+def _keys_first(roles: dict, shared: dict, widths: dict) -> bool:
+    """Whether the scores' first operand is the keys: separate projections where the first
+    operand's is narrower than the second's and as wide as the values' (grouped heads: the
+    wider side has more heads, and only queries have more heads than values)."""
+    if shared or not all(roles[r] for r in ("q", "k", "v")):
+        return False
+    q, k, v = widths.get("q", 0), widths.get("k", 0), widths.get("v", 0)
+    return 0 < q < k and q == v and k % q == 0
 
 
 def _per_sequence_once(projs: list[Projection]) -> list[Projection]:

@@ -114,7 +114,7 @@ def _mask_fill_value(c: Context) -> list[Mutation]:
         return []
     fills = [(0.0, "0"), (-1.0, "-1"), (1.0, "1"), (-10.0, "-10"), (-100.0, "-100")]
     fills += [(-v * c.spec.scale, f"{-v:g} before scaling") for v in (1.0, 10.0, 100.0)]
-    return [
+    out = [
         Mutation(
             "mask_fill_value",
             _M,
@@ -124,3 +124,19 @@ def _mask_fill_value(c: Context) -> list[Mutation]:
         )
         for value, text in fills
     ]
+    # a boolean mask cast to 0/1 and added, as if it were an additive one: the hidden keys
+    # are a unit of score apart from the seen ones, not hidden
+    for added, text in (
+        (lambda hide: ~hide, "1 where a key is seen, 0 where hidden"),
+        (lambda hide: hide, "1 where a key is hidden"),
+    ):
+        out.append(
+            Mutation(
+                "mask_fill_value",
+                _M,
+                f"a 0/1 mask added to the scores ({text})",
+                mask=lambda s, a=added: s + a(_hidden(c, s.shape[-1])).to(s.dtype),
+                facts={"fill": "0/1 added", "name": text},
+            )
+        )
+    return out
