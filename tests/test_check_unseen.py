@@ -55,12 +55,11 @@ _OPEN = {
     "r15/c05_moonshine_decoder_encoder_attn": "a decoder block holding self- and "
     "cross-attention: the first layer is checked (and, with --kind cross, refused naming the "
     "cross layer)",
-    "r15/r01_paligemma_prefix_lm_mask": (
-        "inferred",
-        "a prefix-LM mask hides nothing at the probe's length: with the kind inferred it is "
-        "an encoder there (given as causal, the longer call shows the prefix and refuses it)",
-    ),
     "r15/r03_stick_breaking_attention": "stick-breaking weights judged not_softmax, not refused",
+    # round 16's first run (commit a21c147, checker f060f41)
+    "r16/b05_te_window_size_not_minus_one": "window_size=(8, 0) is TransformerEngine's "
+    "9 keys, and the layer applies 9: the 8 its author meant is in a config the layer does "
+    "not keep (passed as correct)",
     "r15/r02_gemma3n_value_rmsnorm": "refused, but naming the rotation it could not read, not "
     "the norm on the values",
     "r12/b28_lag_llama_is_causal_tied_to_cache": (
@@ -135,6 +134,10 @@ _FEATURE_WORDS = {
     "rotary_before_projection": "rotation applied to the layer's input before",
     "low_rank_projection": "projection over the tokens",
     "autocorrelation": "found no attention",
+    "logn_scaling": "log(position)",
+    "xpos": "rotary",
+    "scalable_softmax": "factor on the queries",
+    "softpick": "softmax",
 }
 
 

@@ -13,9 +13,6 @@ from attnscope import ModelReport, check
 #: the first run left these open: each is a strict expected failure, so that the day it is
 #: fixed the test says so and leaves the list
 _OPEN: dict[str, str | tuple[str, str]] = {
-    "10_nanotron_llama_varlen_layer_cu_seqlens_whole_batch": "packed sequences (varlen, "
-    "cu_seqlens): one attention core per packed sequence over slices of one token axis; the "
-    "rotation read through the slices is not modelled (refused as rotary)",
     # m8's first run (commit 5c5bdec)
     "07_phi3small_blocksparse_free_layer_distance_scores": "scores made as -|q - k|^2 / 2 with "
     "rotary queries and keys: refused naming the rotation it could not read, not judged "

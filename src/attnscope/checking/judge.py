@@ -147,6 +147,8 @@ class Judge:
         #: model (see :attr:`.layer.Structure.unmodelled`); a rotation read where the
         #: layer's rotary is
         self.unmodelled: list[tuple[str, str | None]] = []
+        #: a longer length the layer is also held to, once correct (None: not tried)
+        self.longer: int | None = None
         self.rotary_at: str | None = None
 
     def _stage_list(self) -> list[Stage]:
@@ -299,7 +301,44 @@ class Judge:
         call = self.calls[0]
         found, refs = self._observe(call)
         failure = self._large_probe()
+        if failure is None:
+            self._longer_probe()
         return self._report(failure, found, refs, self._dims(call))
+
+    def _longer_probe(self) -> None:
+        """Correct at the probe's length: is it still the reading's attention on a longer
+        input? What changes past some length (queries scaled by log(position) past the
+        trained length, a rotation rescaled past it) is not modelled: refused, never passed."""
+        call, n = self.calls[0], self.longer
+        if n is None or call.context is not None or n <= call.x.shape[1]:
+            return
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(call.x.shape[0], n, call.given.shape[-1], generator=gen)
+        x_in = x if call.batched else x[0]
+        rec = self.recorder(x_in)
+        try:
+            with rec:
+                out, err = self.invoke(x_in)
+        except RuntimeError:  # an input laid out for the probe's length
+            return
+        if err is not None or not isinstance(out, torch.Tensor):
+            return  # a longer input it does not take
+        try:
+            if self.reference_input is not None:
+                x = self.reference_input(rec, x_in).reshape(*x.shape[:-1], -1)
+            ref = pipeline(x.double(), self.spec, self.w)["output"]
+        except (RuntimeError, AttnScopeError):
+            return  # the reading does not extend to this length (a grid of tokens)
+        out = out.double() if call.batched else out.double().unsqueeze(0)
+        if out.shape != ref.shape or close(out, ref):
+            return
+        tokens = call.x.shape[1]
+        raise Unsupported(
+            f"not supported yet: what changes with the sequence's length: at {tokens} tokens "
+            f"it computes the attention read, at {n} something else (queries scaled by "
+            "log(position) past a trained length, a rotation rescaled past it, a mask of "
+            "another pattern?)"
+        )
 
     def _large_probe(self) -> Failure | None:
         """Correct on normal inputs: does it stay finite where torch.softmax does?"""

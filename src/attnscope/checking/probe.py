@@ -110,9 +110,26 @@ def _declares_global(holder) -> bool:
 
 #: where layers and configs declare a sliding window (Mistral, Qwen 2, Gemma 2, Phi-3, ...)
 #: the attributes a layer or model keeps its configuration in
-_CONFIG_HOLDERS = ("config", "model_args", "args")
+_CONFIG_HOLDERS = ("config", "model_args", "args", "hparams", "hp")
 
-_WINDOW_NAMES = ("sliding_window", "sliding_window_size", "window_size", "attention_window")
+_WINDOW_NAMES = (
+    "sliding_window",
+    "sliding_window_size",
+    "window_size",
+    "attention_window",
+    "n_swa",  # llama.cpp's hparams: the query and the n_swa - 1 keys before it
+)
+
+
+def _left_only(v: object) -> bool:
+    """A ``(left, right)`` window of integers with no key to the right (``(7, 0)``: the
+    query and 7 keys before it; ``(-1, 0)``: every key before it)."""
+    return (
+        isinstance(v, tuple)
+        and len(v) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        and v[1] == 0
+    )
 
 
 def first_tensor(result: object) -> object:
@@ -313,6 +330,21 @@ def _whole(rec: Recorder, graph: Graph, node: int, numel: int) -> torch.Tensor:
         i = parents[0]
     found = rec.ops[i].output
     return (found if found.numel() == numel else rec.ops[node].output).detach()
+
+
+def _per_core(
+    rec: Recorder, graph: Graph, cores: list, role: str, numel: int, piece: torch.Tensor
+) -> torch.Tensor:
+    """The operands of every core stacked, where one core's holds ``numel / cores`` entries:
+    each sequence run apart (llama.cpp's one ubatch per sequence, a per-request loop), its
+    rotation made apart too, so no one tensor holds the whole batch's. ``piece`` otherwise."""
+    if len(cores) < 2 or numel % len(cores):
+        return piece
+    attr = "q_node" if role == "q" else "k_node"
+    pieces = [_whole(rec, graph, getattr(c, attr), numel // len(cores)) for c in cores]
+    if any(p.shape != pieces[0].shape for p in pieces) or pieces[0].numel() * len(cores) != numel:
+        return piece
+    return torch.stack(pieces)
 
 
 def _written_slots(keys: torch.Tensor, seen: torch.Tensor | None, tokens: int) -> torch.Tensor:
@@ -2066,6 +2098,10 @@ class ModuleProbe:
                 v = getattr(holder, attr, None)
                 if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                     return v
+                if _left_only(v):
+                    # flash-attn's and TransformerEngine's (left, right) keys on either side
+                    # of the query, none to the right: a causal window of left + 1 keys
+                    return None if v[0] < 0 else v[0] + 1
         return None
 
     def _softcap(self) -> float | None:
@@ -2292,7 +2328,10 @@ class ModuleProbe:
                     # the operand, or the whole tensor a piece of it was cut from (a part
                     # of the repeated keys can hold as many entries as the keys themselves),
                     # in each heads layout; repeated keys cut to one copy of each kv head
-                    user = _whole(call.record, graph, node, numel).to(torch.float64)
+                    user = _whole(call.record, graph, node, numel)
+                    if user.numel() != numel:
+                        user = _per_core(call.record, graph, st.cores, role, numel, user)
+                    user = user.to(torch.float64)
                     if role == "k" and user.numel() != numel:
                         # keys read back from a static cache: the slots it wrote, no others
                         user = _written_slots(user, seen_keys(graph, core), ref.shape[2])
@@ -2428,6 +2467,7 @@ class ModuleProbe:
             else None,
         )
         judge.varies = self._varies()
+        judge.longer = self._longer_length()
         if self.structure is not None:
             judge.unmodelled = list(self.structure.unmodelled)
             judge.rotary_at = next(iter(self.structure.rotary.values()), (None, None))[1]
@@ -2437,21 +2477,46 @@ class ModuleProbe:
         report.layer = self._layer_path()
         return report
 
+    def _longer_length(self) -> int | None:
+        """The length a layer judged correct is checked at once more (see
+        :meth:`.Judge._longer_probe`): a standalone layer that takes any length; not a
+        layer inside a model, whose other arguments are made for the model's length."""
+        if self.host is not None or self.cross or self.fixed_tokens is not None:
+            return None
+        if self.entry is not None and self.entry.grid is not None:
+            return None  # tokens laid out as a grid of the probe's shape
+        limit = self._context_limit()
+        return _WINDOW_PROBE if limit is None else min(_WINDOW_PROBE, limit)
+
     def _layer_path(self) -> str | None:
         """The layer's dotted path: the module the probe enters, or the module that owns every
         weight the attention uses (the smallest holding them all, above a single projection)
         where the wrapper calls that one by ``.forward()``, which no record sees
         (pytorch-llama's blocks, BERT4Rec's sublayer around it)."""
+        st = self.structure
         if self.entry is None:
-            return None
-        st, path = self.structure, self.entry.path
+            # the target computed the attention itself, perhaps through a method of a
+            # submodule it never calls (llama.cpp's ``layer.build_attn``): that submodule,
+            # where it owns every weight the attention uses
+            owner = self._weights_owner() if st is not None and self.host is None else ""
+            return owner or None
+        path = self.entry.path
         if st is None or self.host is not None:
             return path
+        owner = self._weights_owner()
+        if not owner or owner == path or path.startswith(owner + "."):
+            return path  # the entry itself, or a module inside the owner
+        return owner
+
+    def _weights_owner(self) -> str:
+        """The smallest module holding every weight the attention uses, above a single
+        projection and a list of them; '' for the target itself."""
+        st = self.structure
         names = [n for ps in st.roles.values() for p in ps for n in p.params]
         names += list(st.out.params) if st.out is not None else []
         owners = {n.rsplit(".", 1)[0] for n in names if "." in n}
-        if not owners:
-            return path
+        if not owners or (self.entry is None and any("." not in n for n in names)):
+            return ""  # (the target computing it: some weight is its own)
         common = os.path.commonprefix([o.split(".") for o in owners])
         if ".".join(common) in owners:  # one projection holds them all: its parent
             common = common[:-1]
@@ -2459,10 +2524,7 @@ class ModuleProbe:
             self.module.get_submodule(".".join(common)), (nn.ModuleList, nn.ModuleDict)
         ):
             common = common[:-1]  # a list of projections is held by the layer
-        owner = ".".join(common)
-        if not owner or owner == path or path.startswith(owner + "."):
-            return path  # the entry itself, or a module inside the owner
-        return owner
+        return ".".join(common)
 
 
 @contextlib.contextmanager
