@@ -60,6 +60,13 @@ _OPEN = {
     "r16/b05_te_window_size_not_minus_one": "window_size=(8, 0) is TransformerEngine's "
     "9 keys, and the layer applies 9: the 8 its author meant is in a config the layer does "
     "not keep (passed as correct)",
+    # round 17's first run (commit 566b051, checker 7cef70d)
+    "r17/b20_exllamav2_no_mask_without_cache": (
+        "inferred",
+        "its causal mask is built only with a cache: without one nothing it computes says decoder",
+    ),
+    "r17/r02_torchscale_clipped_softmax": "clipped softmax weights judged not_softmax, not "
+    "refused (a stretched, clipped softmax is a slip or a design: nothing computed tells)",
     "r15/r02_gemma3n_value_rmsnorm": "refused, but naming the rotation it could not read, not "
     "the norm on the values",
     "r12/b28_lag_llama_is_causal_tied_to_cache": (
@@ -138,6 +145,10 @@ _FEATURE_WORDS = {
     "xpos": "rotary",
     "scalable_softmax": "factor on the queries",
     "softpick": "softmax",
+    "multiway": "multiway",
+    "selective": "mask of another pattern",
+    "clipped_softmax": "softmax",
+    "contextual_positions": "position",
 }
 
 

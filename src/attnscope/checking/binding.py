@@ -154,6 +154,16 @@ def bind_structure(st: Structure, layer: nn.Module, root: nn.Module | None = Non
 def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pair], str]]:
     roles, shared = st.roles, st.shared
     for role, projs in roles.items():
+        inputs = {p.input_node for p in projs}
+        weights = {tuple(p.weight_names or p.params) for p in projs}
+        if len(projs) > 1 and len(inputs) == len(projs) and len(weights) == len(projs):
+            # each weight applied to an input of its own, all of one role: parts of the
+            # sequence through weights of their own (heads of their own read one input)
+            raise Unsupported(
+                f"not supported yet: the {_NAMES[role]} made by different weights for "
+                "different parts of the input (a multiway layer, as BEiT-3's, whose image "
+                f"and text tokens have projections of their own?) at {projs[0].op.location}"
+            )
         if len({p.w.shape[0] for p in projs}) > 1:
             where = ", ".join(p.source for p in projs)
             raise Unsupported(

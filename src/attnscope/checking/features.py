@@ -571,6 +571,39 @@ class Features:
             what = "a learned factor" if learned else "a factor that varies by head or position"
             self._unmodelled(f"{what} multiplying the scores", op.location)
 
+    def _learned_term(self, op: Op, reach: set[int], core: Core) -> None:
+        """A term mixed into the scores that is made from the queries or keys together with
+        a learned table of the layer's own (``q @ pos_emb``: the content-to-position terms
+        of relative attention, Shaw's, Transformer-XL's, DeBERTa's; CoPE's interpolated
+        position logits): nothing the reference models. The projections' weights and what
+        the queries and keys went through on their way are not that table."""
+        ends = {core.q_node, core.k_node}
+        stops = set(self.s.projection_ops) | ends
+
+        def table(i: int) -> bool:
+            o = self.ops[i]
+            return o.leaf is not None and o.leaf.startswith("param:") and o.output.dim() >= 2
+
+        for a in op.args:
+            if a in reach or not self.g.tainted[a]:
+                continue
+            above = self.g.ancestors(a, stop=stops, every=True) - stops
+            # a product of the queries (or keys) with the table itself: not a gate or a
+            # convolution made from the input through weights of their own
+            found = any(
+                any(table(t) for t in self.ops[i].args)
+                and any(self.g.ancestors(t, stop=stops) & ends for t in self.ops[i].args)
+                for i in above
+            )
+            if found:
+                self._unmodelled(
+                    "a term made from the queries or keys and a learned table of the layer's "
+                    "own, mixed into the scores (relative position attention: Shaw's, "
+                    "Transformer-XL's, DeBERTa's; contextual positions, CoPE?)",
+                    op.location,
+                )
+                return
+
     def _shifted_sigmoid(self, op: Op, reach: set[int]) -> None:
         """A sigmoid of the scores shifted by a constant: sigmoid attention (its bias b,
         ``-log n`` in Apple's design). A shift a softmax would ignore (it is shift-invariant)
@@ -672,6 +705,8 @@ class Features:
                     self._refuse(f"{what} joined to the scores before the softmax", op.location)
             if i != start:
                 self._varying_factor(op, reach)
+                if i not in after_softmax:
+                    self._learned_term(op, reach, core)
                 self._mixed_scores(op, end, after_softmax)
                 self._combined_softmaxes(op, reach, after_softmax)
             if op.name in ("sigmoid", "sigmoid_") and i != start:

@@ -133,10 +133,12 @@ def _left_only(v: object) -> bool:
 
 
 def first_tensor(result: object) -> object:
-    """What a call returned, reduced to the attention output: the first element of a tuple
+    """What a call returned, reduced to the attention output: the first tensor of a tuple
     or list, the first tensor of a dict (``{"out": ..., "attn": ...}``) or a dataclass."""
     if isinstance(result, (tuple, list)) and result:
-        return result[0]
+        # the first tensor: Gemma's Flax layers return (new_cache, output), the cache None
+        # or a dict where there is none
+        return next((r for r in result if isinstance(r, torch.Tensor)), result[0])
     if isinstance(result, dict):
         return next((v for v in result.values() if isinstance(v, torch.Tensor)), result)
     if hasattr(result, "to_tuple"):  # Hugging Face ModelOutput
@@ -187,10 +189,18 @@ def _rotations_on_path(path: list[Op], ref: torch.Tensor, b: int, hd: int) -> li
     found = []
     for op in path:
         t = op.output
-        if not isinstance(t, torch.Tensor) or t.numel() != ref.numel() or t.dim() < 3:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
             continue
-        for form in as_heads(t.detach().to(torch.float64), b, ref.shape[1], ref.shape[2], hd):
-            tables = fit_tables(ref, form)
+        # the whole batch's, or (each sequence run apart) the first sequence's: the path is
+        # the first core's, and a rotation's tables are the same for every sequence
+        if t.numel() == ref.numel() and t.dim() >= 3:
+            whole, seqs = ref, b
+        elif b > 1 and t.numel() * b == ref.numel():
+            whole, seqs = ref[:1], 1
+        else:
+            continue
+        for form in as_heads(t.detach().to(torch.float64), seqs, ref.shape[1], ref.shape[2], hd):
+            tables = fit_tables(whole, form)
             if tables is not None and tables.turns and tables.is_rotation():
                 found.append(tables)
                 break

@@ -164,6 +164,19 @@ def _row_axes(x: T, out: T, features: list[int]) -> list[int] | None:
     return where
 
 
+def _einsum_rows(op: Op, x: T) -> list[int] | None:
+    """Where an einsum puts the rows of ``x``, by its letters (sizes alone cannot place a
+    batch of 2 in ``"BSD,CKDH->CBSKH"``, whose C is 2 too)."""
+    letters = einsum_letters(op)
+    if letters is None:
+        return None
+    specs, out, operands = letters
+    spec = next((sp for sp, t in zip(specs, operands, strict=True) if t is x), None)
+    if spec is None or any(c in out and out.count(c) != 1 for c in spec):
+        return None
+    return [out.index(c) for c in spec if c in out]
+
+
 def _rows_first(t: T, rows: list[int]) -> T:
     """``t`` as ``(rows, features)``: its row axes first, the rest flattened in order."""
     rest = [i for i in range(t.dim()) if i not in rows]
@@ -181,7 +194,9 @@ def _by_basis(op: Op, x: T, made: T) -> tuple[T, T | None, tuple[int, ...]] | No
     if features is None or op.func is None:
         return None
     x_rows = [i for i in range(x.dim()) if i not in features]
-    where = _row_axes(x, made, features)
+    where = _einsum_rows(op, x) if op.name == "einsum" else None
+    if where is None:
+        where = _row_axes(x, made, features)
     if where is None:
         return None
     rows = math.prod(x.shape[i] for i in x_rows)

@@ -10,6 +10,7 @@ from, exactly, is the layer's. See :func:`read_side`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +150,18 @@ def read_side(
                             after = _split(normalise(_merge(v), kind, eps), h)
                         else:
                             after = normalise(v, kind, eps)
-                        if _exact(_affine(after, gain, bias, h), u):
+                        fit = _affine(after, gain, bias, h)
+                        # a factor folded into the operand after the norm (queries divided
+                        # by sqrt(d) before the product: Equinox, JAX ports)
+                        factor = float((fit * u).sum() / (fit * fit).sum().clamp_min(1e-300))
+                        if _exact(fit * factor, u):
+                            if abs(factor - 1.0) > 1e-9:
+                                t = dataclasses.replace(
+                                    t,
+                                    cos=t.cos * factor,
+                                    sin=t.sin * factor,
+                                    scale=t.scale * factor,
+                                )
                             consider(NormSide(t, True, scope, kind, gain, bias, misplaced=True))
                 except RuntimeError:  # a gain of another width than these heads
                     continue

@@ -89,7 +89,7 @@ class Rope:
             if not fits(intercept, slope):
                 return None
         base = math.exp(-slope)
-        return float(f"{base:.3g}")
+        return float(f"{base:.4g}")
 
     def rotate(
         self, t: T, offset: int = 0, pairing: str | None = None, positions: T | None = None
