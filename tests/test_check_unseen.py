@@ -67,6 +67,11 @@ _OPEN = {
     ),
     "r17/r02_torchscale_clipped_softmax": "clipped softmax weights judged not_softmax, not "
     "refused (a stretched, clipped softmax is a slip or a design: nothing computed tells)",
+    # round 18's first run (commit be2b7f1, checker 05379e7)
+    "r18/r01_levanter_sparsemax": "refused, but as a factor multiplying the scores, not as "
+    "sparsemax (the threshold it subtracts is read as a factor)",
+    "r18/r02_llmc_key_token_shift": "refused, but as constant rows joined to the keys (the "
+    "shift's zero row), not as a token shift",
     "r15/r02_gemma3n_value_rmsnorm": "refused, but naming the rotation it could not read, not "
     "the norm on the values",
     "r12/b28_lag_llama_is_causal_tied_to_cache": (
@@ -149,6 +154,10 @@ _FEATURE_WORDS = {
     "selective": "mask of another pattern",
     "clipped_softmax": "softmax",
     "contextual_positions": "position",
+    "laplace": "Laplace",
+    "memory_kv": "key/value rows joined",
+    "sparsemax": "sparsemax",
+    "token_shift": "token shift",
 }
 
 
@@ -178,7 +187,7 @@ def _judge(path, expect, infer):
             check(target, kind=kind, init=expect.get("init"))
         # what the message says of the layer, its file's path (which names the feature)
         # taken out
-        said = str(info.value).replace(str(path), "<file>")
+        said = str(info.value).replace(str(path), "<file>").replace(path.name, "<file>")
         assert _FEATURE_WORDS[expect["unsupported"]] in said, said
         return
     report = check(target, kind=kind, init=expect.get("init"))

@@ -711,6 +711,14 @@ class Features:
                 self._combined_softmaxes(op, reach, after_softmax)
             if op.name in ("sigmoid", "sigmoid_") and i != start:
                 self._shifted_sigmoid(op, reach)
+            if op.name in ("erf", "erfc", "special_erf") and not after_softmax:
+                # a Gaussian CDF of the scores: MEGA's Laplace attention function, a design
+                # in the softmax's place (no slip writes an erf)
+                self._unmodelled(
+                    "attention weights made by an erf of the scores (the Laplace attention "
+                    "function of MEGA?) in the softmax's place",
+                    op.location,
+                )
             if op.name in _ADDS and i != start:
                 self._input_bias(op, reach)
             if op.name in _SOFTMAX_CALLS or any(a in after_softmax for a in op.args):

@@ -1947,6 +1947,46 @@ class ModuleProbe:
                 alibi = Alibi(heads, False, slopes, is_symmetric(e, tuple(e.shape)))
                 self._cache["held"] = alibi
                 return alibi
+        return self._dropped_alibi(heads)
+
+    def _dropped_alibi(self, heads: int) -> Alibi | None:
+        """An ALiBi matrix ``(..., H, T, T)`` the target's forward builds for the probe's
+        tokens and that nothing then reads (the model makes the bias and hands its blocks
+        ``None``): ``bias_missing``, as a bias held and never handed is."""
+        if self.host is not None or self.cross or heads < 2:
+            return None
+        x = self.calls[0].given.float()
+        n = x.shape[-2]
+        if n < 3:
+            return None
+        rec = self._recorder(x)
+        try:
+            with rec:
+                _, err = self._invoke_root(x)
+        except Exception:  # noqa: BLE001 - a second run it does not take: nothing read
+            return None
+        if err is not None or len(rec.ops) >= rec.limit:
+            return None
+        g = Graph(rec)
+        read = {a for op in rec.ops for a in op.args}
+        upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+        for op in rec.ops:
+            t = op.output
+            if op.index in read or g.tainted[op.index] or op.leaf is not None or op.stale:
+                continue
+            if not t.is_floating_point() or t.dim() < 3 or t.shape[-3:] != (heads, n, n):
+                continue
+            e = t.detach().reshape(-1, heads, n, n)[:1].double()
+            slopes = read_slopes(e, tuple(e.shape), heads)
+            if slopes is None or not _alibi_like(e.masked_fill(upper, -torch.inf), slopes):
+                continue
+            self.notes.append(
+                f"it builds an ALiBi bias at {op.location} that nothing reads (the layers are "
+                "handed none?)"
+            )
+            alibi = Alibi(heads, False, slopes, is_symmetric(e, tuple(e.shape)))
+            self._cache["held"] = alibi
+            return alibi
         return None
 
     def _moved(self, out: torch.Tensor | None, err) -> bool:

@@ -159,7 +159,7 @@ def _as_heads(u: T, b: int, h: int, n: int, d: int) -> list[T]:
     if u.dim() == 5:  # grouped heads on two axes (einsum "btkgd,bskd->bkgts"): outer-major
         for perm in itertools.permutations(range(5)):
             s = tuple(u.shape[i] for i in perm)
-            if (s[0], s[3], s[4]) == (b, n, d) and s[1] * s[2] == h and 1 < s[1] < h:
+            if (s[0], s[3], s[4]) == (b, n, d) and s[1] * s[2] == h and s[2] > 1:
                 out.append(u.permute(perm).reshape(b, h, n, d))
     elif u.dim() == 3:
         if tuple(u.shape) == (b * h, n, d):
