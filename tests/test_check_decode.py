@@ -32,6 +32,8 @@ class _Attention(nn.Module):
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
         if cache is not None:
+            if self.bug == "scaled_key":  # the decoding path makes its key otherwise
+                k = k * 0.5
             old_k, old_v = cache
             if self.bug == "twice" and old_k.shape[2] == 5:  # the prompt stored twice
                 old_k, old_v = torch.cat([old_k, old_k], dim=2), torch.cat([old_v, old_v], 2)
@@ -102,6 +104,9 @@ def test_a_correct_cache_decodes_like_the_full_pass():
         ("twice", "cache_stale", 0),
         ("empty", "cache_mask", 0),
         ("never", "cache_stale", 0),
+        # a new key that is no rotation of the full pass's (its length differs): not a
+        # position, something else (a norm skipped on the decoding path)
+        ("scaled_key", "cache_other", 0),
     ],
 )
 def test_each_decoding_bug_is_named_with_its_step_and_layer(bug, code, step):

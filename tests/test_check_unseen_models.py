@@ -22,9 +22,6 @@ _OPEN: dict[str, str | tuple[str, str]] = {
     "position bias is not in the contract's vocabulary (not ALiBi), so no verdict is given; "
     "its writer expected a pass",
     # m8's first run (commit 5c5bdec)
-    "07_phi3small_blocksparse_free_layer_distance_scores": "scores made as -|q - k|^2 / 2 with "
-    "rotary queries and keys: refused naming the rotation it could not read, not judged "
-    "not_dot_product",
 }
 
 

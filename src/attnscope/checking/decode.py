@@ -847,6 +847,22 @@ def _same_query(step: torch.Tensor, full: torch.Tensor, pos: int) -> bool:
     return close(step.double(), full.narrow(axis, pos, 1).double())
 
 
+def _same_length(step: torch.Tensor, full: torch.Tensor, pos: int, values: list) -> bool:
+    """Whether the step's key for the new token (the row holding token ``pos``'s value) is as
+    long as the full pass's key at ``pos``: a rotation, for whatever position, keeps each
+    head's length; a key made otherwise (a norm skipped) does not. True where the layouts
+    do not say."""
+    axis = _token_axis(step, full, len(values))
+    if axis is None or pos not in values:
+        return True
+    row = step.movedim(axis, 0)[values.index(pos)].double()
+    want = full.movedim(axis, 0)[pos].double()
+    if row.numel() != want.numel():
+        return True
+    a, b = row.norm().item(), want.norm().item()
+    return abs(a - b) <= 1e-4 * max(b, 1e-12)
+
+
 def _tokens(ts) -> str:
     ts = sorted(set(ts))
     return ", ".join(map(str, ts[:6])) + (", ..." if len(ts) > 6 else "")
@@ -917,6 +933,14 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
         )
     if keys is not None and keys.count(None):
         cached_ok = all(j is not None for j, v in zip(keys, values, strict=False) if v != pos)
+        if cached_ok and not _same_length(ck, fk, pos, values):
+            return (
+                "cache_other",
+                f"the cached keys are right and the new token's key is not the full pass's "
+                f"key for position {pos}, nor that key turned (its length differs: made "
+                "otherwise on the decoding path, a norm skipped?)",
+                k_line,
+            )
         if cached_ok:
             return (
                 "cache_positions",

@@ -1892,7 +1892,11 @@ class ModuleProbe:
                 return None  # another position embedding declared
         want = alibi_slopes(heads).double()
         seen: set[int] = set()
-        for name, t in [*m.named_buffers(), *m.named_parameters()]:
+        # the layer's, then the target's (a model keeps its ALiBi module beside its blocks)
+        owners = dict.fromkeys([m, self.module])
+        held = [(n, t) for mod in owners for n, t in mod.named_buffers()]
+        held += [(n, t) for mod in owners for n, t in mod.named_parameters()]
+        for name, t in held:
             if id(t) in seen or not t.is_floating_point() or t.numel() != heads or heads < 2:
                 continue
             seen.add(id(t))

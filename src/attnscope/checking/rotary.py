@@ -43,6 +43,9 @@ class Rope:
     #: whether the layer's angles are position x frequency (False: angles of another
     #: form, a 2-D rotary over rows and columns of an image, which this does not model)
     linear: bool = field(default=True, compare=False)
+    #: ("q" or "k", factor): that side's positions times ``factor`` against the other's
+    #: (a position scaling applied to one side only); None where both sides agree
+    scaled_side: tuple[str, float] | None = field(default=None, compare=False)
 
     @property
     def rot(self) -> int:
@@ -87,9 +90,32 @@ class Rope:
             )
             intercept = my - slope * mx
             if not fits(intercept, slope):
-                return None
+                return self._base_of_fast_pairs()
         base = math.exp(-slope)
         return float(f"{base:.4g}")
+
+    def _base_of_fast_pairs(self) -> float | None:
+        """The base of frequencies whose fast pairs are plain ``base ** (-2i / rot)`` and
+        whose slow ones are lowered (Llama 3.1's and YaRN's scaling by parts: pairs that turn
+        more than once within the trained length are left alone, the others divided by up to
+        the scaling factor); None where the pairs follow no such scheme."""
+        f = self.inv_freq
+        if abs(f[0] - 1.0) > 1e-3 or len(f) < 4:
+            return None
+        slope = math.log(f[1]) / (2 / self.rot)
+        base = math.exp(-slope)
+        plain = [base ** (-2 * i / self.rot) for i in range(len(f))]
+        fast = 0
+        while fast < len(f) and math.isclose(f[fast], plain[fast], rel_tol=1e-3):
+            fast += 1
+        lowered = all(v < p * (1 - 1e-3) for v, p in zip(f[fast:], plain[fast:], strict=True))
+        if fast < 3 or fast == len(f) or not lowered:
+            return None
+        # the slope through the fast pairs alone (each pins it; the fastest best)
+        slope = sum(math.log(f[i]) * (2 * i / self.rot) for i in range(1, fast)) / sum(
+            (2 * i / self.rot) ** 2 for i in range(1, fast)
+        )
+        return float(f"{math.exp(-slope):.4g}")
 
     def rotate(
         self, t: T, offset: int = 0, pairing: str | None = None, positions: T | None = None
@@ -459,4 +485,24 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
         # this is the forward one at reversed positions, which the judge names
         # (``rope_positions``)
         freqs, offsets = -freqs, (None, None)
-    return Rope(layout, tuple(float(f) for f in freqs), head_dim, offsets, reading.linear)
+    scaled_side = None
+    sides_read = {
+        role: read_side(t, layout)[1]
+        for role, t in (("q", q_tables), ("k", k_tables))
+        if t is not None and t.is_rotation()
+    }
+    if len(sides_read) == 2 and all(f is not None for f in sides_read.values()):
+        fq, fk = sides_read["q"], sides_read["k"]
+        if fq.shape == fk.shape and bool((fk.abs() > 1e-6).all()):
+            ratio = fq / fk
+            r = ratio.median().item()
+            if abs(r - 1) > 1e-3 and bool(((ratio - r).abs() < 1e-3 * abs(r)).all()):
+                # each side turns at its own rate: positions scaled on one side only. The
+                # side whose first pair turns by one radian a position has plain positions
+                plain = "q" if abs(fq[0].item() - 1) < abs(fk[0].item() - 1) else "k"
+                freqs = sides_read[plain]
+                other = "k" if plain == "q" else "q"
+                scaled_side = (other, r if other == "q" else 1 / r)
+    return Rope(
+        layout, tuple(float(f) for f in freqs), head_dim, offsets, reading.linear, scaled_side
+    )

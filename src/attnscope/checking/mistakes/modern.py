@@ -124,6 +124,28 @@ def _rope_positions(c: Context) -> list[Mutation]:
                 ),
             )
         )
+    if rope.scaled_side is not None:
+        # the positions the tables themselves show on one side, scaled against the other's
+        role, factor = rope.scaled_side
+        stage, side = (
+            (Stage.ROTATED_QUERIES, "queries") if role == "q" else (Stage.ROTATED_KEYS, "keys")
+        )
+
+        def scaled(r, t, role=role, factor=factor):
+            if r != role:
+                return rope.rotate(t)
+            n = t.shape[-2]
+            return rope.rotate(t, positions=torch.arange(n, dtype=torch.float64) * factor)
+
+        out.append(
+            Mutation(
+                "rope_positions",
+                stage,
+                f"the {side} rotated at positions times {factor:g} (a position scaling "
+                "applied to one side only)",
+                rotate=scaled,
+            )
+        )
     out.append(
         Mutation(
             "rope_positions",
