@@ -930,7 +930,14 @@ class ModuleProbe:
         # attention(query=x, key=x, value=x)): the probe enters at every one of them
         where = [i for i, a in given if a is value]
         lead = tuple(value.shape[:-1])
-        self.entry = _Entry(self.module, self.host.path, where, lead == (tokens, BATCH))
+        self.entry = _Entry(
+            self.module,
+            self.host.path,
+            where,
+            lead == (tokens, BATCH),
+            # an engine's flattened batch: (B * T, d), each sequence's tokens in turn
+            flat=lead == (BATCH * tokens,),
+        )
         # what else the model hands it (a mask, a position bias), as handed
         self.entry.extras = {
             i: a.detach().clone()
