@@ -404,6 +404,7 @@ class Features:
         stops = self.s.projection_ops
         path = self._path(node, stops)
         normed = any(op.name in _NORM_CALLS for op in path)
+        rotates = any(o.name in ("cat", "neg", "__neg__", "stack", "flip") for o in path)
         for op in path:
             name = op.name
             if name in _ROTARY_CALLS:
@@ -428,10 +429,6 @@ class Features:
             consts = [self.ops[a].output for a in op.args if not self.g.tainted[a]]
             varying = [t for t in consts if t.numel() > 1 and not bool((t == t.flatten()[0]).all())]
             if varying:
-                rotates = any(
-                    o.name in ("cat", "neg", "__neg__", "stack", "flip")
-                    for o in self._path(node, stops)
-                )
                 if normed and not rotates:
                     continue  # the norm's gain: read with the norm
                 what = (
