@@ -12,6 +12,12 @@ from attnscope import AttnScopeError, ModelReport, check
 #: what the rounds' first runs left open (their numbers are in the README), by round and file:
 #: each is held as an expected failure, strict, so that the day it is fixed the test says so
 #: and leaves the list; ``"inferred"`` marks a miss only when the kind is inferred
+_GEMMA_CPP = (
+    "the gemma.cpp port: every token's and head's rotated query and key written one at a time "
+    "into preallocated tensors, and each query's window sliced from the keys (no mask): the "
+    "rotation is not read (refused)"
+)
+
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
@@ -82,6 +88,30 @@ _OPEN = {
     "r19/r03_llama3_ref_relu_attention": "ReLU weights judged not_softmax, not refused (a "
     "slip or a design: nothing computed tells)",
     "r19/r04_fla_stickbreaking": "stick-breaking weights judged not_softmax, not refused",
+    # round 20's first run (commit 4b9ee4c: c87f3f4 with a speed-only change)
+    "r20/b12_gemmacpp_qnorm_after_rope": _GEMMA_CPP,
+    "r20/b13_gemmacpp_query_scale_model_dim": _GEMMA_CPP,
+    "r20/b14_gemmacpp_key_norm_skipped": _GEMMA_CPP,
+    "r20/b15_gemmacpp_pos_without_batch_idx": _GEMMA_CPP,
+    "r20/c08_gemmacpp_gemma3_local_layer": _GEMMA_CPP,
+    "r20/b09_opensora_cross_kv_from_x": (
+        "inferred",
+        "keys and values read from the queries' input: nothing it computes says cross-attention",
+    ),
+    "r20/b19_praxis_cross_post_skipped": (
+        "inferred",
+        "a cross layer called with one sequence when the kind is inferred: read as self-attention",
+    ),
+    "r20/c10_praxis_cross_attention": (
+        "inferred",
+        "a cross layer called with one sequence when the kind is inferred: read as self-attention",
+    ),
+    "r20/b20_tinyllm_mask_not_forwarded": (
+        "inferred",
+        "its causal mask is never handed to the layer: nothing it computes says decoder",
+    ),
+    "r20/r03_mlc_llama4_attn_temperature": "refused, but naming the rotation it could not read, "
+    "not the queries' temperature scaling by position",
     "r15/r02_gemma3n_value_rmsnorm": "refused, but naming the rotation it could not read, not "
     "the norm on the values",
     "r12/b28_lag_llama_is_causal_tied_to_cache": (
@@ -171,6 +201,7 @@ _FEATURE_WORDS = {
     "topk": "top-k",
     "relu": "ReLU",
     "stickbreaking": "stick-breaking",
+    "temperature_tuning": "temperature",
 }
 
 

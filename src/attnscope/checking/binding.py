@@ -76,6 +76,11 @@ def readings(obj: object, where: str, d_in: int | None) -> list[Pair]:
             options.append((w.permute(1, 0, 2).reshape(a, h * c), None))
         if d_in is None or c == d_in:
             options.append((w.permute(2, 0, 1).reshape(c, h * a), None))
+        # Praxis / Flax layouts: (d_in, heads, hd) in, (d_out, heads, hd) out
+        if d_in is not None and h == d_in:
+            options.append((w.reshape(h, a * c), None))
+        if d_in is not None and a * c == d_in:
+            options.append((w.reshape(h, a * c).T, None))
     else:
         rows, cols = w.shape
         if d_in is None or rows == d_in:

@@ -20,6 +20,20 @@ if TYPE_CHECKING:
 
 __all__ = ["Unsupported", "Features", "BiasSeen", "mask_shape", "MASKING_OPS"]
 
+#: the attention computations read for features, at most: a layer that loops over its
+#: tokens and heads (gemma.cpp's) makes one per token and head, all alike; those spread
+#: over the record stand for them (reading each made a layer take minutes)
+_CORES_READ = 48
+
+
+def _spread(items: list, most: int) -> list:
+    """``items``, or ``most`` of them spread evenly from the first to the last."""
+    if len(items) <= most:
+        return items
+    step = (len(items) - 1) / (most - 1)
+    return [items[round(i * step)] for i in range(most)]
+
+
 T = torch.Tensor
 
 _SCALAR_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "__rtruediv__", "mul_", "div_"}
@@ -203,9 +217,10 @@ class Features:
         self._one_role_shifted()
         self._pooled_kv()
         self._rotated_input()
-        for core in s.cores:
+        cores = _spread(s.cores, _CORES_READ)
+        for core in cores:
             self._cached(core)
-        for core in s.cores:
+        for core in cores:
             for role, node in (("queries", core.q_node), ("keys", core.k_node)):
                 self._qk_path(role, node)
             self._joined_rows(core)

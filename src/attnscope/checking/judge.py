@@ -222,6 +222,13 @@ class Judge:
 
     def run(self, options: list[tuple[Weights | None, Spec]]) -> CheckReport:
         """The report: correct under one reading of the weights, or the first failure."""
+        options = [o for o in options if self._composes(*o)]
+        if not options:
+            raise Unsupported(
+                "not supported yet: the projections read from the computation do not fit "
+                "together as one attention (widths that do not compose: heads written one at "
+                "a time into a tensor of the layer's own, or cut in a way not read?)"
+            )
         if self.varies is not None:  # random in eval mode: nothing can match reliably
             stage, message, where = self.varies
             self.w, self.spec = max(options, key=lambda o: self._confirmations(*o))
@@ -253,6 +260,15 @@ class Judge:
         # no reading reproduces the output: pick the one the recorded tensors confirm best
         self.w, self.spec = max(options, key=lambda o: self._confirmations(*o))
         return self._diagnose()
+
+    def _composes(self, w, spec) -> bool:
+        """Whether the reference runs on this reading at all (its widths fit together)."""
+        c = self.calls[0]
+        try:
+            pipeline(c.x, spec, w, context=c.context)
+        except RuntimeError:
+            return False
+        return True
 
     def _confirmations(self, w, spec) -> int:
         call = self.calls[0]
