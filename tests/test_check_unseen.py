@@ -12,12 +12,6 @@ from attnscope import AttnScopeError, ModelReport, check
 #: what the rounds' first runs left open (their numbers are in the README), by round and file:
 #: each is held as an expected failure, strict, so that the day it is fixed the test says so
 #: and leaves the list; ``"inferred"`` marks a miss only when the kind is inferred
-_GEMMA_CPP = (
-    "the gemma.cpp port: every token's and head's rotated query and key written one at a time "
-    "into preallocated tensors, and each query's window sliced from the keys (no mask): the "
-    "rotation is not read (refused)"
-)
-
 _OPEN = {
     "r7/c_xformers_local_attn_bias": "built with attnscope's sizes, its structure differs "
     "from the one stated for its defaults",
@@ -89,11 +83,8 @@ _OPEN = {
     "slip or a design: nothing computed tells)",
     "r19/r04_fla_stickbreaking": "stick-breaking weights judged not_softmax, not refused",
     # round 20's first run (commit 4b9ee4c: c87f3f4 with a speed-only change)
-    "r20/b12_gemmacpp_qnorm_after_rope": _GEMMA_CPP,
-    "r20/b13_gemmacpp_query_scale_model_dim": _GEMMA_CPP,
-    "r20/b14_gemmacpp_key_norm_skipped": _GEMMA_CPP,
-    "r20/b15_gemmacpp_pos_without_batch_idx": _GEMMA_CPP,
-    "r20/c08_gemmacpp_gemma3_local_layer": _GEMMA_CPP,
+    "r20/b15_gemmacpp_pos_without_batch_idx": "every token rotated at position 0: no "
+    "rotation at all, read as a layer without rotary (passed)",
     "r20/b09_opensora_cross_kv_from_x": (
         "inferred",
         "keys and values read from the queries' input: nothing it computes says cross-attention",

@@ -110,13 +110,14 @@ def _declares_global(holder) -> bool:
 
 #: where layers and configs declare a sliding window (Mistral, Qwen 2, Gemma 2, Phi-3, ...)
 #: the attributes a layer or model keeps its configuration in
-_CONFIG_HOLDERS = ("config", "model_args", "args", "hparams", "hp")
+_CONFIG_HOLDERS = ("config", "cfg", "model_args", "args", "hparams", "hp")
 
 _WINDOW_NAMES = (
     "sliding_window",
     "sliding_window_size",
     "window_size",
     "attention_window",
+    "attention_window_size",  # RecurrentGemma's, gemma.cpp's: the query and the keys before it
     "n_swa",  # llama.cpp's hparams: the query and the n_swa - 1 keys before it
 )
 

@@ -495,6 +495,10 @@ class _Reader:
                 sides = (*pair, 0)
             a, b, size = sides
             if not after_score[a] and not after_score[b]:
+                if self.ops[a].output.dim() >= 2 and self.ops[b].output.dim() == 1:
+                    # keys @ q with q one vector (one query, one head at a time: gemma.cpp's
+                    # loops): the vector is the query, the matrix its keys
+                    a, b = b, a
                 cores.append(Core(a, b, None, size, score=op))
                 after_score[i] = True
             elif after_score[a] != after_score[b]:
