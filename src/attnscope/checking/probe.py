@@ -1959,7 +1959,29 @@ class ModuleProbe:
                 alibi = Alibi(heads, False, slopes, is_symmetric(e, tuple(e.shape)))
                 self._cache["held"] = alibi
                 return alibi
-        return self._dropped_alibi(heads)
+        return self._dropped_alibi(heads) or self._declared_alibi(heads)
+
+    def _declared_alibi(self, heads: int) -> Alibi | None:
+        """ALiBi its configuration switches on (``alibi=True``, MPT's ``attn_config``
+        ``{"alibi": True}``) in a layer that adds no position bias: ``bias_missing``, the
+        standard slopes expected."""
+        if self.host is not None or heads < 2:
+            return None
+        m = self.entry.module if self.entry is not None else self.module
+        for holder in self._declaring(m):
+            found = [getattr(holder, a, None) for a in ("alibi", "use_alibi")]
+            for name in ("attn_config", "attention_config"):
+                sub = getattr(holder, name, None)
+                if isinstance(sub, dict):
+                    found += [sub.get("alibi"), sub.get("use_alibi")]
+            if any(v is True for v in found):
+                self.notes.append(
+                    "its configuration switches ALiBi on, and it adds no position bias"
+                )
+                alibi = Alibi(heads, False, alibi_slopes(heads).double(), False)
+                self._cache["held"] = alibi
+                return alibi
+        return None
 
     def _dropped_alibi(self, heads: int) -> Alibi | None:
         """An ALiBi matrix ``(..., H, T, T)`` the target's forward builds for the probe's
@@ -2124,6 +2146,9 @@ class ModuleProbe:
         for owner in (m, self.module):
             out.append(owner)
             out += [getattr(owner, a, None) for a in _CONFIG_HOLDERS]
+        # an attention backend the layer keeps (vLLM's and Aphrodite's ``Attention``, which
+        # holds the heads, the scale and the window): a child module with no weights
+        out += [c for c in m.children() if not any(True for _ in c.parameters())]
         return [h for h in out if h is not None]
 
     def _declared_local(self) -> int | None:

@@ -451,6 +451,12 @@ def _by_position(t: Tables | None) -> Tables | None:
     return one[0]
 
 
+def _moves(t: Tables) -> bool:
+    """Whether a rotation's angles change from one row (position) to the next."""
+    ang = t.angles(t.pairing)
+    return ang.shape[0] > 1 and bool((ang[1:] - ang[:-1]).abs().amax() > 1e-6)
+
+
 def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -> Rope | None:
     """The reference rotation from the two sides' tables, or None when neither rotates.
 
@@ -463,7 +469,10 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
     if not rotated:
         return None
     proper = [t for t in rotated if t.is_rotation()]
-    pick = proper[0] if proper else rotated[0]
+    # a side that turns with the position first: every query turned by one position's
+    # angles (a decoding step's position for a whole prompt) holds no frequency
+    moving = [t for t in proper if _moves(t)]
+    pick = moving[0] if moving else proper[0] if proper else rotated[0]
     layout = pick.pairing if pick.is_rotation() else pick.laid_out_for()
     if layout is None:
         return None

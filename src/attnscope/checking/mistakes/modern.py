@@ -146,6 +146,22 @@ def _rope_positions(c: Context) -> list[Mutation]:
                 rotate=scaled,
             )
         )
+
+    def at_last(r, t):
+        if r != "q":
+            return rope.rotate(t)
+        n = t.shape[-2]
+        return rope.rotate(t, positions=torch.full((n,), n - 1, dtype=torch.float64))
+
+    out.append(
+        Mutation(
+            "rope_positions",
+            Stage.ROTATED_QUERIES,
+            "every query rotated for the last position (a decoding step's position given to "
+            "the whole prompt)",
+            rotate=at_last,
+        )
+    )
     out.append(
         Mutation(
             "rope_positions",
