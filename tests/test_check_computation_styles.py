@@ -134,3 +134,17 @@ def test_split_keys_merged_by_log_sum_exp_are_attention(tiled):
 def test_split_keys_merged_by_their_maxima_fail():
     report = check(lambda: _SplitKeys(merge="max"), kind="causal-multihead")
     assert not report.ok
+
+
+def test_a_record_inside_another_keeps_vmap_a_loop_and_restores_it():
+    """Nested records: the inner one leaves the outer's loop in place (no recursion into
+    itself), and torch's own batching is back once the outer one ends."""
+    from torch._functorch import apis
+
+    from attnscope.checking.record import Recorder
+
+    original = apis.vmap_impl
+    x = torch.randn(3, 4)
+    with Recorder(), Recorder():
+        assert torch.allclose(vmap(torch.sin)(x), torch.sin(x))
+    assert apis.vmap_impl is original

@@ -330,6 +330,8 @@ class Judge:
             return
         gen = torch.Generator().manual_seed(n)
         x = torch.randn(call.x.shape[0], n, call.given.shape[-1], generator=gen)
+        if not call.batched:
+            x = x[:1]  # the one sequence an unbatched call takes
         x_in = x if call.batched else x[0]
         rec = self.recorder(x_in)
         try:

@@ -27,6 +27,8 @@ try:  # where torch.func.vmap's wrapper looks up the batching it runs (torch >= 
     import torch._functorch.apis as _vmap_apis
 except ImportError:  # pragma: no cover - an older torch: vmap is left as it is
     _vmap_apis = None
+#: torch's own batching, which the loop falls back on for arguments it does not handle
+_VMAP_IMPL = getattr(_vmap_apis, "vmap_impl", None)
 
 __all__ = ["Op", "ModuleCall", "SdpaCall", "Recorder", "short_path", "tensors_in"]
 
@@ -179,15 +181,11 @@ def _vmap_as_loop(func, in_dims, out_dims, randomness, chunk_size, *args, **kwar
     flat, spec = pytree.tree_flatten(args)
     dims = pytree._broadcast_to_and_flatten(in_dims, spec)
     if dims is None:  # in_dims that do not fit the arguments: vmap's own error says why
-        return _vmap_apis.__dict__["_attnscope_vmap_impl"](
-            func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs
-        )
+        return _VMAP_IMPL(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs)
     dims = [None if d is None else d % x.dim() for x, d in zip(flat, dims, strict=True)]
     sizes = {x.shape[d] for x, d in zip(flat, dims, strict=True) if d is not None}
     if len(sizes) != 1:
-        return _vmap_apis.__dict__["_attnscope_vmap_impl"](
-            func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs
-        )
+        return _VMAP_IMPL(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs)
     results = []
     for i in range(sizes.pop()):
         sliced = [x if d is None else x.select(d, i) for x, d in zip(flat, dims, strict=True)]
@@ -245,9 +243,9 @@ class Recorder(TorchFunctionMode):
                 reg.register_module_forward_hook(self._leave_module),
             ]
         self._vmap_saved = None
-        if _vmap_apis is not None and hasattr(_vmap_apis, "vmap_impl"):
+        if _VMAP_IMPL is not None and _vmap_apis.vmap_impl is not _vmap_as_loop:
+            # (a record inside another's leaves the loop in place for the outer one)
             self._vmap_saved = _vmap_apis.vmap_impl
-            _vmap_apis._attnscope_vmap_impl = self._vmap_saved
             _vmap_apis.vmap_impl = _vmap_as_loop
         return super().__enter__()
 
