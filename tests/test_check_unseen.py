@@ -237,6 +237,12 @@ def test_unseen_case_with_the_kind_inferred(path, expect):
     _judge(path, expect, infer=True)
 
 
+def _said(exc: Exception, path) -> str:
+    """What a refusal says of the layer, its file's path and name (which name the feature)
+    taken out."""
+    return str(exc).replace(str(path), "<file>").replace(path.name, "<file>")
+
+
 def _judge(path, expect, infer):
     """The verdict of the file's EXPECT: correct, or the stage and mistake; a layer inside a
     wrapper is named by its module path; a feature not modelled yet is refused, not judged."""
@@ -245,9 +251,7 @@ def _judge(path, expect, infer):
     if expect.get("unsupported") and expect["unsupported"] not in _MODELLED:
         with pytest.raises(AttnScopeError, match="not supported yet") as info:
             check(target, kind=kind, init=expect.get("init"))
-        # what the message says of the layer, its file's path (which names the feature)
-        # taken out
-        said = str(info.value).replace(str(path), "<file>").replace(path.name, "<file>")
+        said = _said(info.value, path)
         assert _FEATURE_WORDS[expect["unsupported"]] in said, said
         return
     if expect.get("unsupported") in _MODELLED_WHEN_DECLARED:
@@ -255,7 +259,7 @@ def _judge(path, expect, infer):
         try:
             report = check(target, kind=kind, init=expect.get("init"))
         except AttnScopeError as exc:
-            said = str(exc).replace(str(path), "<file>").replace(path.name, "<file>")
+            said = _said(exc, path)
             assert "not supported yet" in said and _FEATURE_WORDS[expect["unsupported"]] in said
             assert _MODELLED_WHEN_DECLARED[expect["unsupported"]] in said, said
             return

@@ -222,7 +222,19 @@ class Judge:
 
     def run(self, options: list[tuple[Weights | None, Spec]]) -> CheckReport:
         """The report: correct under one reading of the weights, or the first failure."""
-        options = [o for o in options if self._composes(*o)]
+        # each reading's output on every call; a reading the reference cannot run (widths
+        # that do not compose) is none
+        ran = []
+        for w, spec in options:
+            try:
+                outs = [pipeline(c.x, spec, w, context=c.context)["output"] for c in self.calls]
+            except RuntimeError:
+                continue
+            ran.append(
+                ((w, spec), [close(c.out, o) for c, o in zip(self.calls, outs, strict=True)])
+            )
+        options = [o for o, _ in ran]
+        matches = [m for _, m in ran]
         if not options:
             raise Unsupported(
                 "not supported yet: the projections read from the computation do not fit "
@@ -236,10 +248,6 @@ class Judge:
             return self._report(
                 Failure(stage, "other", message, where), found, refs, self._dims(self.calls[0])
             )
-        matches = [
-            [close(c.out, pipeline(c.x, spec, w, context=c.context)["output"]) for c in self.calls]
-            for w, spec in options
-        ]
         for (w, spec), ok in zip(options, matches, strict=True):
             if all(ok):
                 self.w, self.spec = w, spec
@@ -260,15 +268,6 @@ class Judge:
         # no reading reproduces the output: pick the one the recorded tensors confirm best
         self.w, self.spec = max(options, key=lambda o: self._confirmations(*o))
         return self._diagnose()
-
-    def _composes(self, w, spec) -> bool:
-        """Whether the reference runs on this reading at all (its widths fit together)."""
-        c = self.calls[0]
-        try:
-            pipeline(c.x, spec, w, context=c.context)
-        except RuntimeError:
-            return False
-        return True
 
     def _confirmations(self, w, spec) -> int:
         call = self.calls[0]

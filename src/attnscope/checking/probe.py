@@ -122,15 +122,19 @@ _WINDOW_NAMES = (
 )
 
 
-def _left_only(v: object) -> bool:
-    """A ``(left, right)`` window of integers with no key to the right (``(7, 0)``: the
-    query and 7 keys before it; ``(-1, 0)``: every key before it)."""
+def _int_pair(v: object) -> bool:
+    """A ``(left, right)`` pair of integers (a window's keys on either side of the query)."""
     return (
         isinstance(v, tuple)
         and len(v) == 2
         and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-        and v[1] == 0
     )
+
+
+def _left_only(v: object) -> bool:
+    """A ``(left, right)`` window with no key to the right (``(7, 0)``: the query and 7
+    keys before it; ``(-1, 0)``: every key before it)."""
+    return _int_pair(v) and v[1] == 0
 
 
 def first_tensor(result: object) -> object:
@@ -1780,24 +1784,13 @@ class ModuleProbe:
             for attr in ("is_causal", "causal", "is_decoder"):
                 if getattr(holder, attr, None) is False:
                     return None
-        x = self.calls[0].given.float()
-        n = x.shape[-2]
-        if n < 3:
+        dropped = self._dropped()
+        if dropped is None:
             return None
-        rec = self._recorder(x)
-        try:
-            with rec, _locals_at_return() as local:
-                _, err = self._invoke_root(x)
-        except Exception:  # noqa: BLE001 - a second run it does not take: nothing read
-            return None
-        if err is not None or len(rec.ops) >= rec.limit:
-            return None
-        g = Graph(rec)
-        read = {a for op in rec.ops for a in op.args}
-        for where, t in local:
-            # made outside torch's calls (``torch.from_numpy(np.tril(...))``) and never
-            # handed to one: the record never saw it; the frame that held it did
-            if rec.saw(t) or t.dim() < 2 or t.shape[-2:] != (n, n):
+        made, held = dropped
+        n = self.calls[0].given.shape[-2]
+        for where, t in held:
+            if t.dim() < 2 or t.shape[-2:] != (n, n):
                 continue
             hidden = [t, ~t] if t.dtype == torch.bool else []
             if any(mask_shape(h) == ("causal", 1) for h in hidden):
@@ -1805,10 +1798,8 @@ class ModuleProbe:
                     f"it builds a causal mask at {where} and nothing reads it (a decoder's "
                     "mask dropped?)"
                 )
-        for op in rec.ops:
+        for op in made:
             t = op.output
-            if op.index in read or g.tainted[op.index] or op.leaf is not None or op.stale:
-                continue
             if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[-2:] != (n, n):
                 continue
             if t.dtype == torch.bool:
@@ -1825,6 +1816,36 @@ class ModuleProbe:
                     "decoder's mask dropped?)"
                 )
         return None
+
+    def _dropped(self) -> tuple[list[Op], list[tuple[str, torch.Tensor]]] | None:
+        """One more run of the target on the first probe (made once): the tensors its
+        computation made from no input and nothing then read, and those its own frames held
+        at their return that no recorded call saw (made outside torch:
+        ``torch.from_numpy(np.tril(...))``), with where; None where the run is not taken."""
+        if "dropped" in self._cache:
+            return self._cache["dropped"]
+        self._cache["dropped"] = None
+        x = self.calls[0].given.float()
+        if x.shape[-2] < 3:
+            return None
+        rec = self._recorder(x)
+        try:
+            with rec, _locals_at_return() as local:
+                _, err = self._invoke_root(x)
+        except Exception:  # noqa: BLE001 - a second run it does not take: nothing read
+            return None
+        if err is not None or len(rec.ops) >= rec.limit:
+            return None
+        g = Graph(rec)
+        read = {a for op in rec.ops for a in op.args}
+        made = [
+            op
+            for op in rec.ops
+            if op.index not in read and not g.tainted[op.index] and op.leaf is None and not op.stale
+        ]
+        held = [(where, t) for where, t in local if not rec.saw(t)]
+        self._cache["dropped"] = (made, held)
+        return self._cache["dropped"]
 
     def _alibi(self, heads: int) -> Alibi | None:
         """The reference's ALiBi when the computation adds a position bias to the scores,
@@ -1989,25 +2010,13 @@ class ModuleProbe:
         ``None``): ``bias_missing``, as a bias held and never handed is."""
         if self.host is not None or self.cross or heads < 2:
             return None
-        x = self.calls[0].given.float()
-        n = x.shape[-2]
-        if n < 3:
+        dropped = self._dropped()
+        if dropped is None:
             return None
-        rec = self._recorder(x)
-        try:
-            with rec:
-                _, err = self._invoke_root(x)
-        except Exception:  # noqa: BLE001 - a second run it does not take: nothing read
-            return None
-        if err is not None or len(rec.ops) >= rec.limit:
-            return None
-        g = Graph(rec)
-        read = {a for op in rec.ops for a in op.args}
+        n = self.calls[0].given.shape[-2]
         upper = torch.ones(n, n, dtype=torch.bool).triu(1)
-        for op in rec.ops:
+        for op in dropped[0]:
             t = op.output
-            if op.index in read or g.tainted[op.index] or op.leaf is not None or op.stale:
-                continue
             if not t.is_floating_point() or t.dim() < 3 or t.shape[-3:] != (heads, n, n):
                 continue
             e = t.detach().reshape(-1, heads, n, n)[:1].double()
@@ -2161,7 +2170,7 @@ class ModuleProbe:
             for attr in ("local_attention", "attention_window"):
                 v = getattr(holder, attr, None)
                 if isinstance(v, tuple) and len(v) == 2:  # (a list is one width per layer)
-                    if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                    if not _int_pair(v):
                         return None
                     if min(v) < 0 or v[0] != v[1]:
                         return None  # none (a global layer), or one of another shape

@@ -479,10 +479,13 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
     reading, freqs = read_side(pick, layout)
     if freqs is None:
         return None
-    offsets = tuple(
-        read_side(t, layout)[0].offset if t is not None and t.is_rotation() else None
-        for t in (q_tables, k_tables)
-    )
+    # each side that is a proper rotation, read once: its start and its frequencies
+    read = {
+        role: read_side(t, layout)
+        for role, t in (("q", q_tables), ("k", k_tables))
+        if t is not None and t.is_rotation()
+    }
+    offsets = tuple(read[r][0].offset if r in read else None for r in ("q", "k"))
     rows = pick.angles(layout).shape[0]
     if (
         bool((freqs < -1e-9).all())
@@ -495,12 +498,8 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
         # (``rope_positions``)
         freqs, offsets = -freqs, (None, None)
     scaled_side = None
-    sides_read = {
-        role: read_side(t, layout)[1]
-        for role, t in (("q", q_tables), ("k", k_tables))
-        if t is not None and t.is_rotation()
-    }
-    if len(sides_read) == 2 and all(f is not None for f in sides_read.values()):
+    sides_read = {role: f for role, (_, f) in read.items() if f is not None}
+    if len(sides_read) == 2:
         fq, fk = sides_read["q"], sides_read["k"]
         if fq.shape == fk.shape and bool((fk.abs() > 1e-6).all()):
             ratio = fq / fk
