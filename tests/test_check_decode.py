@@ -748,3 +748,26 @@ def test_a_step_that_sees_itself_alone_while_its_pool_holds_the_earlier_keys_is_
     assert d is not None and d.ok != self_only, report.to_text(color=False)
     if self_only:
         assert (d.mistake, d.step, d.layer) == ("cache_mask", 0, "blocks.0"), d.message
+
+
+def test_a_cache_kept_in_half_precision_is_named_at_the_first_step_that_reads_it():
+    """Cached values rounded to float16: the outputs stay within float32 error for two steps
+    and then do not. The prompt's rounded values were read from step 0 on, and that step
+    already held them: the failure is step 0's, and the message says when it showed."""
+
+    class HalfValues(_Attention):
+        def forward(self, x, cache=None):
+            out, (k, v) = super().forward(x, cache)
+            return out, (k, v.half().float())
+
+    def make():
+        torch.manual_seed(2)  # a seed whose outputs diverge only at step 2
+        model = TinyGPT()
+        for block in model.blocks:
+            block.__class__ = HalfValues
+        return model
+
+    d = check(make).decode
+    assert (d.mistake, d.step, d.layer) == ("cache_other", 0, "blocks.0"), d.message
+    assert "no token's value in the full pass" in d.message
+    assert "within float32 error of the full pass until step 2" in d.message

@@ -20,10 +20,6 @@ _OPEN: dict[str, str | tuple[str, str]] = {
     "08_recurrentgemma_griffin_local_attention_layer_window_missing": "the layer holds "
     "window_size=None, as a global layer of a local/global model does by design: nothing "
     "tells the converter's slip from that (passed)",
-    # m11's first run (commit be2b7f1)
-    "13_hf_gpt_neox_japanese_half_precision_present": "the cache kept in float16: named "
-    "cache_other at the right layer, but at step 2, where its rounding (1e-4) first passes "
-    "the float32 tolerance the decoding is held to (the writer's float64 check sees step 0)",
     # m10's first run (commit 566b051)
     "04_hf_mpnet_relative_bias_encoder_ok": "refused, by design: MPNet's learned relative "
     "position bias is not in the contract's vocabulary (not ALiBi), so no verdict is given; "
