@@ -14,9 +14,6 @@ from attnscope import ModelReport, check
 #: fixed the test says so and leaves the list
 _OPEN: dict[str, str | tuple[str, str]] = {
     # m13's first run (commit fb2ba06)
-    "07_sglang_qwen2_flat_tokens_layer_query_positions_offset": "the layer found (once a "
-    "flattened batch was probed flat), but its queries rotated at twice the positions read as "
-    "queries/other, not rope_positions",
     "08_recurrentgemma_griffin_local_attention_layer_window_missing": "the layer holds "
     "window_size=None, as a global layer of a local/global model does by design: nothing "
     "tells the converter's slip from that (passed)",

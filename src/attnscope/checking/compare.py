@@ -100,6 +100,9 @@ def _forms(ref: T, stage: Stage, batched: bool) -> list[tuple[str, T]]:
             ("batch and heads merged", ref.reshape(b * h, n, x)),
             ("tokens first", ref.permute(2, 0, 1, 3)),
             ("tokens first, heads merged", ref.permute(2, 0, 1, 3).reshape(n, b, h * x)),
+            # an engine's flattened batch: every sequence's tokens in one run of rows
+            ("batch and tokens merged", ref.transpose(1, 2).reshape(b * n, h, x)),
+            ("batch and tokens merged, heads merged", ref.transpose(1, 2).reshape(b * n, h * x)),
         ]
     elif ref.dim() == 3:  # (B, T, X)
         out.append(("tokens first", ref.transpose(0, 1)))
