@@ -43,12 +43,17 @@ class _Attention(nn.Module):
             if self.bug == "mask":  # the new token attends to itself alone
                 old_k, old_v = old_k[:, :, :0], old_v[:, :, :0]
             k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        kept = k, v
+        if cache is not None and self.bug == "recent":
+            # the step reads its own and the last two cached tokens; the cache keeps them
+            # all (a page table walked from the last page)
+            k, v = k[:, :, -3:], v[:, :, -3:]
         s = q @ k.transpose(-2, -1) / self.hd**0.5
         total = k.shape[2]
         rows = torch.arange(total - n, total)[:, None]
         s = s.masked_fill(torch.arange(total)[None, :] > rows, float("-inf"))
         y = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d)
-        return self.out(y), (k, v)
+        return self.out(y), kept
 
 
 class TinyGPT(nn.Module):
@@ -100,6 +105,7 @@ def test_a_correct_cache_decodes_like_the_full_pass():
     [
         ("positions", "cache_positions", 0),
         ("mask", "cache_mask", 0),
+        ("recent", "cache_mask", 0),
         ("stale", "cache_stale", 1),
         ("twice", "cache_stale", 0),
         ("empty", "cache_mask", 0),

@@ -1,15 +1,20 @@
-"""Readings asked for by the open cases and the rounds of the session that wrote round 22:
-an engine's flattened batch ``(batch * tokens, features)`` found stage by stage, and one
-side's positions scaled against the other's read at a large rotary base."""
+"""Readings asked for by the open cases and the first runs of rounds 22 and m15: an engine's
+flattened batch ``(batch * tokens, features)`` found stage by stage; one side's positions
+scaled against the other's read at a large rotary base; query heads cut wrongly in a rotated,
+normed, grouped layer; keys times queries under a QK norm; a softmax scale that changes
+with the length refused; ALiBi as a function of the key with a softmax over the queries;
+a cache object a model hands its layers replayed as handed."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from conftest import outcome
 from torch import nn
 
-from attnscope import check
+from attnscope import AttnScopeError, check
 
 
 def _rotate(x, pos, base):
@@ -107,3 +112,224 @@ def test_queries_at_scaled_positions_are_read_at_any_base(base):
     assert outcome(report) == ("rotated_queries", "rope_positions"), report.to_text(color=False)
     assert "positions times 3" in report.first_failure.message
     assert check(lambda: _ScaledQueries(base, 1)).ok
+
+
+# ---------------------------------------------------------------- round 22's first run
+
+
+def _interleaved(x, pos, base=1e4):
+    """Adjacent pairs; ``x`` ``(..., tokens, hd)``."""
+    d = x.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos.to(torch.float64)[:, None] * inv
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
+
+class _Grouped(nn.Module):
+    """Grouped heads 4/2 in a 5-D (group, heads per group) layout, per-head RMS QK norm and
+    an interleaved rotation, non-causal. ``cut``: "right"; "dim_first" (queries viewed as
+    ``(hd, group, hpg)``: heads cut from strided features); "hpg_first" (viewed as ``(hpg,
+    group, hd)``: query head h lands in group h % 2)."""
+
+    def __init__(self, cut="right"):
+        super().__init__()
+        torch.manual_seed(3)
+        self.cut = cut
+        self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16)
+        self.o = nn.Linear(32, 32)
+        self.gq = nn.Parameter(torch.rand(8) + 0.5)
+        self.gk = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x)
+        if self.cut == "dim_first":
+            q = q.view(b, n, 8, 2, 2).permute(0, 3, 4, 1, 2)
+        elif self.cut == "hpg_first":
+            q = q.view(b, n, 2, 2, 8).permute(0, 3, 2, 1, 4)
+        else:
+            q = q.view(b, n, 2, 2, 8).permute(0, 2, 3, 1, 4)
+        k = self.k(x).view(b, n, 2, 1, 8).permute(0, 2, 3, 1, 4)
+        v = self.v(x).view(b, n, 2, 1, 8).permute(0, 2, 3, 1, 4)
+        q = self.gq * q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6)
+        k = self.gk * k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6)
+        pos = torch.arange(n)
+        q, k = _interleaved(q, pos), _interleaved(k, pos)
+        y = nn.functional.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q))
+        return self.o(y.permute(0, 3, 1, 2, 4).reshape(b, n, 32))
+
+
+@pytest.mark.parametrize(
+    "cut,want",
+    [
+        ("right", ("ok",)),
+        # the rotation and norm are read on the heads as cut, and the cut is the mistake
+        ("dim_first", ("queries", "heads_split")),
+        # query head h grouped with kv head h % 2, and merged back in that order
+        ("hpg_first", ("scores", "kv_group_mapping")),
+    ],
+)
+def test_query_heads_cut_wrongly_in_a_rotated_grouped_layer_are_named(cut, want):
+    report = check(lambda: _Grouped(cut), kind="multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+
+
+class _NormedTransposed(nn.Module):
+    """A full-width RMS QK norm, and the scores made keys times queries (or not)."""
+
+    def __init__(self, transposed):
+        super().__init__()
+        torch.manual_seed(4)
+        self.transposed = transposed
+        self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.gq = nn.Parameter(torch.rand(32) + 0.5)
+        self.gk = nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+
+        def norm(t, g):
+            flat = t.transpose(1, 2).reshape(b, n, 32)
+            flat = g * flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return flat.view(b, n, 4, 8).transpose(1, 2)
+
+        q, k = norm(q, self.gq), norm(k, self.gk)
+        s = (k * 8**-0.5) @ q.transpose(-2, -1) if self.transposed else (q * 8**-0.5) @ k.mT
+        return self.proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+def test_keys_times_queries_under_a_qk_norm_is_scores_transposed():
+    """The product's left operand is made from the key projection: the norm is read with
+    the operands taken the other way round, and the judge names the transposition."""
+    assert check(lambda: _NormedTransposed(False), kind="multihead").ok
+    report = check(lambda: _NormedTransposed(True), kind="multihead")
+    assert outcome(report) == ("scores", "scores_transposed"), report.to_text(color=False)
+
+
+class _LengthScaled(nn.Module):
+    """Proportional attention: a softmax scale of sqrt(log_16(tokens) / hd); ``fixed``: the
+    same formula frozen at 7 tokens (a wrong scale, not one that moves)."""
+
+    def __init__(self, fixed=False):
+        super().__init__()
+        torch.manual_seed(5)
+        self.fixed = fixed
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        scale = math.sqrt(math.log(7 if self.fixed else max(n, 2), 16) / 8)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        return self.o(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_a_scale_that_changes_with_the_length_is_refused_a_fixed_wrong_one_named():
+    with pytest.raises(AttnScopeError, match="scale that changes with the sequence's length"):
+        check(_LengthScaled, kind="multihead")
+    report = check(lambda: _LengthScaled(fixed=True), kind="multihead")
+    assert outcome(report) == ("scaled_scores", "wrong_scale"), report.to_text(color=False)
+
+
+# ---------------------------------------------------------------- model round 15's first run
+
+
+class _ByKeyAlibi(nn.Module):
+    """Sequence-first einsum attention, ``[q, k, b, h]`` scores, ALiBi as ``slope * (j + 1)``
+    (labml's: per query, a constant away from ``-slope * (i - j)``), causal; ``dim`` is the
+    axis of its softmax (1: the keys; 0: the queries, a slip)."""
+
+    def __init__(self, dim=1):
+        super().__init__()
+        self.dim = dim
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):  # (T, B, d)
+        n, b, _ = x.shape
+        q, k, v = (f(x).view(n, b, 4, 8) for f in (self.q, self.k, self.v))
+        s = torch.einsum("ibhd,jbhd->ijbh", q, k) * 8**-0.5
+        slopes = torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8])
+        s = s + (torch.arange(n) + 1.0)[None, :, None, None] * slopes
+        keep = torch.ones(n, n, dtype=torch.bool).tril()[:, :, None, None]
+        w = s.masked_fill(~keep, float("-inf")).softmax(self.dim)
+        return self.o(torch.einsum("ijbh,jbhd->ibhd", w, v).reshape(n, b, 32))
+
+
+class _SeqFirstModel(nn.Module):
+    def __init__(self, bad_layer=None):
+        super().__init__()
+        torch.manual_seed(6)
+        self.embed = nn.Embedding(96, 32)
+        self.layers = nn.ModuleList(_ByKeyAlibi(0 if i == bad_layer else 1) for i in range(3))
+        self.head = nn.Linear(32, 96)
+
+    def forward(self, ids):
+        x = self.embed(ids).transpose(0, 1)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x.transpose(0, 1))
+
+
+def test_alibi_by_key_with_a_softmax_over_the_queries_is_softmax_wrong_dim():
+    """A bias of the key alone cancels in a softmax over the queries, which the distance
+    form does not: the reference keeps the layer's form, and the [q, k, b, h] layout of the
+    scores is found."""
+    assert check(_SeqFirstModel).ok
+    report = check(lambda: _SeqFirstModel(bad_layer=2))
+    assert report.first_layer == "layers.2"
+    assert outcome(report) == ("weights", "softmax_wrong_dim"), report.to_text(color=False)
+    walk = report.to_text(color=False)
+    assert "queries and keys first" in walk
+
+
+class _LayerCache:
+    """A per-layer cache object the model hands each layer (llama-burn's): the layer appends
+    its keys and values to it."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def add(self, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return self.k, self.v
+
+
+class _CachedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x, cache):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        k, v = cache.add(k, v)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, n, 32))
+
+
+class _CacheObjectModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed = nn.Embedding(96, 32)
+        self.layers = nn.ModuleList(_CachedLayer() for _ in range(2))
+        self.head = nn.Linear(32, 96)
+
+    def forward(self, ids):
+        caches = [_LayerCache() for _ in self.layers]  # a fresh cache for every call
+        x = self.embed(ids)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = x + layer(x, cache)
+        return self.head(x)
+
+
+def test_a_cache_object_handed_to_a_layer_is_replayed_as_it_was_handed():
+    """Every probe of a layer gets the model's cache object as the model handed it (empty),
+    not as the previous probe left it (its keys joined to every later call's)."""
+    report = check(_CacheObjectModel)
+    assert report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == ["layers.0", "layers.1"]

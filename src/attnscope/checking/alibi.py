@@ -15,18 +15,22 @@ import torch
 
 from ..functional import alibi_slopes
 
-__all__ = ["Alibi", "read_slopes", "alibi_bias", "is_symmetric"]
+__all__ = ["Alibi", "read_slopes", "alibi_bias", "is_symmetric", "is_by_key"]
 
 T = torch.Tensor
 
 
-def alibi_bias(slopes: T, n: int, symmetric: bool = False) -> T:
+def alibi_bias(slopes: T, n: int, symmetric: bool = False, by_key: bool = False) -> T:
     """``(H, n, n)``: ``slope_h * (j - i)``, 0 on the diagonal, more negative further back
     (equal, per query row, to BLOOM's ``slope_h * j``: a constant a softmax ignores), or
     with ``symmetric`` ``-slope_h * |i - j|`` (both the same where a causal mask hides
-    ``j > i``; bidirectional layers use either)."""
+    ``j > i``; bidirectional layers use either), or with ``by_key`` ``slope_h * j`` itself
+    (the same for every query: a softmax over the keys cannot tell it from the distance
+    form; one over the queries, a mistake, can)."""
     pos = torch.arange(n, dtype=torch.float64)
     d = pos[None, None, :] - pos[None, :, None]
+    if by_key:
+        d = pos[None, None, :].expand(1, n, n)
     return slopes.to(torch.float64)[:, None, None] * (-d.abs() if symmetric else d)
 
 
@@ -39,13 +43,14 @@ class Alibi:
     before_scale: bool = False
     seen: T | None = None
     symmetric: bool = False  # -slope * |i - j| (a bidirectional layer's choice)
+    by_key: bool = False  # slope * j, the same for every query (BLOOM's, labml's (j + 1))
 
     @property
     def slopes(self) -> T:
         return alibi_slopes(self.heads)
 
     def bias(self, heads: int, n: int) -> T:
-        return alibi_bias(self.slopes, n, self.symmetric)
+        return alibi_bias(self.slopes, n, self.symmetric, self.by_key)
 
 
 def _steps(e: T, heads: int) -> T | None:
@@ -138,6 +143,27 @@ def is_alibi(tensor: T, scores_shape: tuple[int, ...], heads: int) -> bool:
         if slopes is not None and _fits(e, slopes):
             return True
     return False
+
+
+def is_by_key(tensor: T, scores_shape: tuple[int, ...]) -> bool:
+    """Whether the bias is a function of the key alone on the keys up to each query (BLOOM's
+    ``slope * j``, labml's ``slope * (j + 1)``): every query sees the same value for a key."""
+    try:
+        e = tensor.detach().to(torch.float64).expand(scores_shape)
+    except RuntimeError:
+        return False
+    if e.dim() >= 3 and e.shape[-1] != e.shape[-2] and e.shape[0] == e.shape[1]:
+        e = e.movedim((0, 1), (-2, -1))  # scores laid out sequence-first, [i, j, ...]
+    n_q, n_k = e.shape[-2], e.shape[-1]
+    if n_q != n_k or n_q < 3:
+        return False
+    e = e.reshape(-1, n_q, n_k)
+    finite = torch.isfinite(e) & (e > -1e4)
+    up_to = torch.ones(n_q, n_k, dtype=torch.bool).tril() & finite
+    rest = e - e.diagonal(dim1=-2, dim2=-1)[:, None, :]  # each key's value at its own query
+    return bool(up_to.tril(-1).any()) and bool(
+        (rest[up_to].abs() < 1e-5 * (1 + e[up_to].abs().max())).all()
+    )
 
 
 def is_symmetric(tensor: T, scores_shape: tuple[int, ...]) -> bool:

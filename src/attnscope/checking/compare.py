@@ -104,6 +104,9 @@ def _forms(ref: T, stage: Stage, batched: bool) -> list[tuple[str, T]]:
             ("batch and tokens merged", ref.transpose(1, 2).reshape(b * n, h, x)),
             ("batch and tokens merged, heads merged", ref.transpose(1, 2).reshape(b * n, h * x)),
         ]
+        if stage in _SCORE_LIKE or stage in (Stage.BIASED_SCORES, Stage.WEIGHTS):
+            # sequence-first einsum code ("ibhd,jbhd->ijbh"): (T_q, T_k, B, H)
+            out.append(("queries and keys first", ref.permute(2, 3, 0, 1)))
     elif ref.dim() == 3:  # (B, T, X)
         out.append(("tokens first", ref.transpose(0, 1)))
     if stage is Stage.KEYS:

@@ -681,6 +681,7 @@ class _Evidence:
         self.full = self.cached = None
         self.cache_seen = False
         self.made_before: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []  # what the cache keeps after the step
 
     def operands(self):
         """``((keys, values, where), (keys, values, where))``: full pass, cached step; None
@@ -712,7 +713,43 @@ class _Evidence:
             drive.step(new)
         self.cache_seen = _cache_seen(rec, self.model, pos)
         self.made_before = _made_before(rec, self.model)
+        self.kept = _kept(drive, self.model)
         return full, _layer_operands(rec, self.model, self.path)
+
+
+def _kept(drive: _Driver, model: nn.Module) -> list[torch.Tensor]:
+    """The floating tensors the decoding keeps between steps: those the cache object holds
+    (its lists, dicts and attributes, a few levels down), or, for a model that keeps its
+    own, its buffers and the tensors its modules hold as attributes."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(obj, depth: int) -> None:
+        if id(obj) in seen or depth > 5 or len(out) > 4096:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.is_floating_point() and obj.dim() >= 2:
+                out.append(obj)
+        elif isinstance(obj, Mapping):
+            for v in obj.values():
+                walk(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
+            for v in vars(obj).values():
+                walk(v, depth + 1)
+
+    if drive._cache is not None:
+        walk(drive._cache, 0)
+    else:
+        params = {id(p) for p in model.parameters()}
+        for m in model.modules():
+            for v in [*m._buffers.values(), *vars(m).values()]:
+                if id(v) not in params:
+                    walk(v, 1)
+    return out
 
 
 def _cache_seen(rec: Recorder, model: nn.Module, cached: int) -> bool:
@@ -745,12 +782,16 @@ def _made_before(rec: Recorder, model: nn.Module) -> list[torch.Tensor]:
 
 
 def _cache_holds(
-    made_before: list[torch.Tensor], full_keys: torch.Tensor, axis: int | None, pos: int
+    made_before: list[torch.Tensor],
+    full_keys: torch.Tensor,
+    axis: int | None,
+    pos: int,
+    tokens: list[int] | None = None,
 ) -> bool:
-    """Whether the tensors the step touched hold the full pass's key of every token before
-    ``pos`` (of its first batch row and head, in any layout whose last axis runs over a
-    head's features): the cache holds the earlier keys, whether the step attends to them or
-    not."""
+    """Whether the tensors the step touched (or the cache keeps) hold the full pass's key of
+    every token before ``pos`` (or of ``tokens``; of its first batch row and head, in any
+    layout whose last axis runs over a head's features): the cache holds the earlier keys,
+    whether the step attends to them or not."""
     if axis is None or pos == 0:
         return False
     if axis == full_keys.dim() - 1:  # keys transposed for the product
@@ -759,11 +800,12 @@ def _cache_holds(
         return False
     rows = full_keys.movedim(axis, 0).double()
     hd = rows.shape[-1]
-    want = [rows[j].reshape(-1, hd)[0] for j in range(pos)]
+    want = [rows[j].reshape(-1, hd)[0] for j in (range(pos) if tokens is None else tokens)]
+    least = pos * hd if tokens is None else hd  # a page of a paged cache holds a few
     pools = [
         t.detach().double().reshape(-1, hd)
         for t in made_before
-        if t.shape[-1] % hd == 0 and t.numel() >= pos * hd
+        if t.shape[-1] % hd == 0 and t.numel() >= least
     ]
     if not pools:
         return False
@@ -955,6 +997,15 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
             f"the new token sees its own key and value alone: the step reads no cache of "
             f"the {pos} tokens before it (the cache not updated)",
             k_line,
+        )
+    axis = _token_axis(ck, fk, len(values))
+    if missing and _cache_holds(evidence.kept, fk, axis, pos, missing):
+        return (
+            "cache_mask",
+            f"the keys of token(s) {_tokens(missing)} are in the cache and missing from what "
+            "it attends over: the step does not read them (a page table, or a slice of the "
+            "cache, that skips them?)",
+            score_line,
         )
     if missing:
         return (

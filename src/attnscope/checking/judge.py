@@ -28,7 +28,7 @@ from .features import Unsupported
 from .mistakes import MISTAKES, Context, Evidence, catalogue, recognise
 from .mistakes.scores import describe_scale, with_scale
 from .record import Op, Recorder, SdpaCall
-from .reference import Mutation, Spec, Weights, pipeline, project
+from .reference import NONE, Mutation, Spec, Weights, pipeline, project
 from .report import CheckReport, Failure, StageCheck
 
 __all__ = ["Call", "Judge", "LARGE", "SHORT"]
@@ -324,9 +324,31 @@ class Judge:
         """Correct at the probe's length: is it still the reading's attention on a longer
         input? What changes past some length (queries scaled by log(position) past the
         trained length, a rotation rescaled past it) is not modelled: refused, never passed."""
+        if self._at_longer() is not False:
+            return
+        tokens, n = self.calls[0].x.shape[1], self.longer
+        if self.spec.rope is not None:
+            why = (
+                f"the rotary position embedding read at {tokens} tokens does not hold at {n} "
+                "(positions on a 2-D grid of patches, frequencies rescaled past a trained "
+                "length?), or queries scaled by log(position) past it, or a mask of another "
+                "pattern"
+            )
+        else:
+            why = (
+                f"at {tokens} tokens it computes the attention read, at {n} something else "
+                "(queries scaled by log(position) past a trained length, a mask of another "
+                "pattern?)"
+            )
+        raise Unsupported(f"not supported yet: what changes with the sequence's length: {why}")
+
+    def _at_longer(self, mut: Mutation | None = None) -> bool | None:
+        """Whether the layer computes the reading (with ``mut``, if given) on an input of
+        :attr:`longer` tokens too; None where that cannot be tried (no longer length, a
+        cross layer, an input laid out for the probe's length)."""
         call, n = self.calls[0], self.longer
         if n is None or call.context is not None or n <= call.x.shape[1]:
-            return
+            return None
         gen = torch.Generator().manual_seed(n)
         x = torch.randn(call.x.shape[0], n, call.given.shape[-1], generator=gen)
         if not call.batched:
@@ -337,25 +359,17 @@ class Judge:
             with rec:
                 out, err = self.invoke(x_in)
         except RuntimeError:  # an input laid out for the probe's length
-            return
+            return None
         if err is not None or not isinstance(out, torch.Tensor):
-            return  # a longer input it does not take
+            return None  # a longer input it does not take
         try:
             if self.reference_input is not None:
                 x = self.reference_input(rec, x_in).reshape(*x.shape[:-1], -1)
-            ref = pipeline(x.double(), self.spec, self.w)["output"]
+            ref = pipeline(x.double(), self.spec, self.w, mut or NONE)["output"]
         except (RuntimeError, AttnScopeError):
-            return  # the reading does not extend to this length (a grid of tokens)
+            return None  # the reading does not extend to this length (a grid of tokens)
         out = out.double() if call.batched else out.double().unsqueeze(0)
-        if out.shape != ref.shape or close(out, ref):
-            return
-        tokens = call.x.shape[1]
-        raise Unsupported(
-            f"not supported yet: what changes with the sequence's length: at {tokens} tokens "
-            f"it computes the attention read, at {n} something else (queries scaled by "
-            "log(position) past a trained length, a rotation rescaled past it, a mask of "
-            "another pattern?)"
-        )
+        return out.shape != ref.shape or close(out, ref)
 
     def _large_probe(self) -> Failure | None:
         """Correct on normal inputs: does it stay finite where torch.softmax does?"""
@@ -604,11 +618,18 @@ class Judge:
         tokens = calls[0].x.shape[1]
         mut = with_scale(template, c, describe_scale(c, self.spec, tokens))
         outs = [pipeline(call.x, self.spec, self.w, mut, context=call.context) for call in calls]
-        if all(
+        if not all(
             close(call.out, o["output"], rtol=1e-3) for call, o in zip(calls, outs, strict=True)
         ):
-            return mut, outs[0]
-        return None
+            return None
+        if self._at_longer(mut) is False:
+            # another factor at another length: a scale made from the token count
+            raise Unsupported(
+                f"not supported yet: a softmax scale that changes with the sequence's length "
+                f"({c:.4g} at {tokens} tokens, another at {self.longer}: a scale growing with "
+                "log(tokens), proportional attention?)"
+            )
+        return mut, outs[0]
 
     def _where(self, mut: Mutation, stages: dict, call: Call) -> str | None:
         """The line of the user's code that made the wrong stage's tensor."""

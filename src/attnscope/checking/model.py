@@ -11,6 +11,7 @@ recorded.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import re
@@ -199,7 +200,12 @@ class ModelHost:
             seen: dict[int, tuple[tuple, dict]] = {}
 
             def grab(mod, args, kwargs):
-                seen[id(mod)] = (args, dict(kwargs))
+                # as handed, before the layer runs: a cache object it then fills is kept
+                # as it was (see _State)
+                seen[id(mod)] = (
+                    tuple(_State.of(a) for a in args),
+                    {k: _State.of(a) for k, a in kwargs.items()},
+                )
 
             hooks = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in self.layers]
             try:
@@ -211,7 +217,45 @@ class ModelHost:
         got = self._arguments[key]
         if isinstance(got, str):
             return got
-        return got.get(id(layer), f"the model did not call {self.path!r}")
+        if id(layer) not in got:
+            return f"the model did not call {self.path!r}"
+        args, kwargs = got[id(layer)]
+        return tuple(_State.fresh(a) for a in args), {k: _State.fresh(a) for k, a in kwargs.items()}
+
+
+class _State:
+    """An object of the model's own handed to a layer (a per-layer cache it appends the
+    keys to, a state bag counting steps), copied as it was when handed: every replay of
+    the layer gets it in that state, not as the last replay left it (a cache grown by
+    every probe would join old keys to each new call)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    @staticmethod
+    def of(a):
+        if not _stateful(a):
+            return a
+        try:
+            return _State(copy.deepcopy(a))
+        except Exception:  # noqa: BLE001  (an object that cannot be copied: as handed)
+            return a
+
+    @staticmethod
+    def fresh(a):
+        return copy.deepcopy(a.obj) if isinstance(a, _State) else a
+
+
+def _stateful(a) -> bool:
+    """An instance of a plain class of the model's (not a tensor, module, number, string,
+    container or function) that holds no module or parameter (copying those would make
+    weights the recorder does not know)."""
+    if isinstance(a, (torch.Tensor, nn.Module, int, float, bool, str, bytes, tuple, list, dict)):
+        return False
+    if a is None or callable(a) or isinstance(a, type) or not hasattr(a, "__dict__"):
+        return False
+    held = list(vars(a).values())
+    return not any(isinstance(v, (nn.Module, nn.Parameter)) for v in held)
 
 
 #: methods a model whose caches must be made before any call has (gpt-fast's Transformer)

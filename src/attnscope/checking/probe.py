@@ -34,12 +34,13 @@ from torch.overrides import TorchFunctionMode
 from ..errors import AttnScopeError, describe
 from ..functional import alibi_slopes
 from ..stages import Kind, Stage
-from .alibi import Alibi, is_alibi, is_symmetric, read_slopes
+from .alibi import Alibi, is_alibi, is_by_key, is_symmetric, read_slopes
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
 from .dataflow import LAYOUT_OPS, Graph
 from .features import Unsupported, mask_shape, seen_keys
 from .judge import Call, Judge
+from .mistakes.projections import WRONG_CUTS
 from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
 from .record import Op, Recorder, short_path, tensors_in
 from .reference import Spec, Weights, project, split
@@ -1866,7 +1867,8 @@ class ModuleProbe:
             )
         seen = read_slopes(st.bias.tensor, st.bias.scores_shape, heads)
         symmetric = is_symmetric(st.bias.tensor, st.bias.scores_shape)
-        return Alibi(heads, st.bias.before_scale, seen, symmetric)
+        by_key = is_by_key(st.bias.tensor, st.bias.scores_shape)
+        return Alibi(heads, st.bias.before_scale, seen, symmetric, by_key)
 
     def _handed_alibi(self, heads: int) -> Alibi | None:
         """An ALiBi bias the wrapper hands the layer (Baichuan and MPT models pass it in the
@@ -1897,7 +1899,8 @@ class ModuleProbe:
                 f"the wrapper hands it a position bias (ALiBi, in argument {key!r}) that its "
                 "output does not depend on"
             )
-            alibi = Alibi(heads, False, slopes, is_symmetric(t.reshape(shape), shape))
+            e = t.reshape(shape)
+            alibi = Alibi(heads, False, slopes, is_symmetric(e, shape), is_by_key(e, shape))
             self._cache["handed"] = alibi
             return alibi
         return None
@@ -1977,7 +1980,13 @@ class ModuleProbe:
                     f"{name!r} is an ALiBi bias built for the layers that its output does not "
                     "depend on"
                 )
-                alibi = Alibi(heads, False, slopes, is_symmetric(e, tuple(e.shape)))
+                alibi = Alibi(
+                    heads,
+                    False,
+                    slopes,
+                    is_symmetric(e, tuple(e.shape)),
+                    is_by_key(e, tuple(e.shape)),
+                )
                 self._cache["held"] = alibi
                 return alibi
         return self._dropped_alibi(heads) or self._declared_alibi(heads)
@@ -2027,7 +2036,9 @@ class ModuleProbe:
                 f"it builds an ALiBi bias at {op.location} that nothing reads (the layers are "
                 "handed none?)"
             )
-            alibi = Alibi(heads, False, slopes, is_symmetric(e, tuple(e.shape)))
+            alibi = Alibi(
+                heads, False, slopes, is_symmetric(e, tuple(e.shape)), is_by_key(e, tuple(e.shape))
+            )
             self._cache["held"] = alibi
             return alibi
         return None
@@ -2394,63 +2405,78 @@ class ModuleProbe:
         hd = spec.head_dim
         graph = Graph(call.record)
         stops = st.projection_ops
-        sides = {}
-        for role, word, node, sources in (
-            ("q", "queries", core.q_node, [split(q, spec.num_heads)]),
-            ("k", "keys", core.k_node, [split(k, spec.kv) for k in keys]),
-        ):
-            path = [
-                call.record.ops[i]
-                for i in sorted(graph.ancestors(node, stop=stops))
-                if i not in stops and call.record.ops[i].leaf is None
-            ]
-            eps = eps_on_path(call.record.ops, path)
-            found = None
-            for ref in sources:
-                gains = []
-                if word in st.qk_norm:
-                    widths = {hd, ref.shape[1] * hd}
-                    gains = gains_on_path(call.record.ops, graph, path, widths)
-                turned = _rotations_on_path(path, ref, b, hd) if word in st.qk_norm else []
-                # (entries the operand holds, the heads of it that are the kv heads once)
-                kv = ref.shape[1]
-                refs = [(ref.numel(), None)]
-                if kv != spec.num_heads:  # keys repeated for the query heads first
-                    g = spec.num_heads // kv
-                    heads = (torch.arange(kv) * g, torch.arange(kv))  # interleaved, tiled
-                    refs += [(ref.numel() * g, h) for h in heads]
 
-                def forms(numel, once, node=node, role=role, ref=ref) -> list[torch.Tensor]:
-                    # the operand, or the whole tensor a piece of it was cut from (a part
-                    # of the repeated keys can hold as many entries as the keys themselves),
-                    # in each heads layout; repeated keys cut to one copy of each kv head
-                    user = _whole(call.record, graph, node, numel)
-                    if user.numel() != numel:
-                        user = _per_core(call.record, graph, st.cores, role, numel, user)
-                    user = user.to(torch.float64)
-                    if role == "k" and user.numel() != numel:
-                        # keys read back from a static cache: the slots it wrote, no others
-                        user = _written_slots(user, seen_keys(graph, core), ref.shape[2])
-                    h = ref.shape[1] if once is None else spec.num_heads
-                    found = as_heads(user, b, h, ref.shape[2], hd)
-                    return found if once is None else [f[:, once] for f in found]
+        def read_sides(q_node: int, k_node: int) -> tuple[dict, float] | None:
+            """Each side's reading (rotation, norm) and the norms' epsilon, or None."""
+            sides, eps = {}, 0.0
+            # heads cut wrongly (the mistake heads_split) are rotated and normed all the same:
+            # those cuts are read too, after the right one, and the judge names the mistake
+            q_cuts = [split, *WRONG_CUTS] if spec.num_heads > 1 else [split]
+            k_cuts = [split, *WRONG_CUTS] if spec.kv > 1 else [split]
+            for role, word, node, sources in (
+                ("q", "queries", q_node, [cut(q, spec.num_heads) for cut in q_cuts]),
+                ("k", "keys", k_node, [cut(k, spec.kv) for cut in k_cuts for k in keys]),
+            ):
+                path = [
+                    call.record.ops[i]
+                    for i in sorted(graph.ancestors(node, stop=stops))
+                    if i not in stops and call.record.ops[i].leaf is None
+                ]
+                eps = eps_on_path(call.record.ops, path)
+                found = None
+                for ref in sources:
+                    gains = []
+                    if word in st.qk_norm:
+                        widths = {hd, ref.shape[1] * hd}
+                        gains = gains_on_path(call.record.ops, graph, path, widths)
+                    turned = _rotations_on_path(path, ref, b, hd) if word in st.qk_norm else []
+                    # (entries the operand holds, the heads of it that are the kv heads once)
+                    kv = ref.shape[1]
+                    refs = [(ref.numel(), None)]
+                    if kv != spec.num_heads:  # keys repeated for the query heads first
+                        g = spec.num_heads // kv
+                        heads = (torch.arange(kv) * g, torch.arange(kv))  # interleaved, tiled
+                        refs += [(ref.numel() * g, h) for h in heads]
 
-                found = next(
-                    (
-                        side
-                        for numel, once in refs
-                        for form in forms(numel, once)
-                        if (side := read_side(ref, form, gains, eps, turned)) is not None
-                    ),
-                    None,
-                )
-                if found is not None:
-                    break
-            if found is None and word not in st.qk_norm and word in st.rotary:
-                found = _rotated_in_place(call.record, graph, path, stops, node, sources[0], hd)
-            if found is None:
-                return None
-            sides[role] = found
+                    def forms(numel, once, node=node, role=role, ref=ref) -> list[torch.Tensor]:
+                        # the operand, or the whole tensor a piece of it was cut from (a part
+                        # of the repeated keys can hold as many entries as the keys themselves),
+                        # in each heads layout; repeated keys cut to one copy of each kv head
+                        user = _whole(call.record, graph, node, numel)
+                        if user.numel() != numel:
+                            user = _per_core(call.record, graph, st.cores, role, numel, user)
+                        user = user.to(torch.float64)
+                        if role == "k" and user.numel() != numel:
+                            # keys read back from a static cache: the slots it wrote, no others
+                            user = _written_slots(user, seen_keys(graph, core), ref.shape[2])
+                        h = ref.shape[1] if once is None else spec.num_heads
+                        found = as_heads(user, b, h, ref.shape[2], hd)
+                        return found if once is None else [f[:, once] for f in found]
+
+                    found = next(
+                        (
+                            side
+                            for numel, once in refs
+                            for form in forms(numel, once)
+                            if (side := read_side(ref, form, gains, eps, turned)) is not None
+                        ),
+                        None,
+                    )
+                    if found is not None:
+                        break
+                if found is None and word not in st.qk_norm and word in st.rotary:
+                    found = _rotated_in_place(call.record, graph, path, stops, node, sources[0], hd)
+                if found is None:
+                    return None
+                sides[role] = found
+            return sides, eps
+
+        # the scores' operands by their place in the product; the other way round where
+        # the keys come first (keys times queries: the mistake scores_transposed)
+        read = read_sides(core.q_node, core.k_node) or read_sides(core.k_node, core.q_node)
+        if read is None:
+            return None
+        sides, eps = read
         rope = None
         if st.rotary or any(s.tables.turns for s in sides.values()):
             rope = read_rope(sides["q"].tables, sides["k"].tables, hd)

@@ -12,7 +12,7 @@ import torch
 
 from ...stages import Stage
 from ..alibi import alibi_bias
-from ..reference import Mutation, causal_hide, window_mask
+from ..reference import Mutation, causal_hide, split, window_mask
 from .base import Context, define
 
 _OTHER = {"half": "interleaved", "interleaved": "half"}
@@ -247,7 +247,31 @@ def _kv_group_mapping(c: Context) -> list[Mutation]:
             expand_keys=right,
             expand_values=tiled,
         ),
+        Mutation(
+            "kv_group_mapping",
+            Stage.SCORES,
+            f"the query heads laid out as (heads per group, groups) and read as (groups, heads "
+            f"per group): query head h reads key/value head h % {s.kv}, and the heads are "
+            "merged back in that order",
+            split=_queries_group_minor(s.num_heads // s.kv, s.kv),
+        ),
     ]
+
+
+def _queries_group_minor(per_group: int, groups: int):
+    """A heads cut whose queries come out grouped the other way: position ``g * per_group +
+    a`` holds projected head ``a * groups + g`` (an einops ``(hpg group dim)`` where ``(group
+    hpg dim)`` was meant); keys and values cut right. Called for q, k, v in that order."""
+    order = torch.tensor([a * groups + g for g in range(groups) for a in range(per_group)])
+    calls = {"n": 0}
+
+    def cut(t: torch.Tensor, heads: int) -> torch.Tensor:
+        first = calls["n"] % 3 == 0
+        calls["n"] += 1
+        heads_of = split(t, heads)
+        return heads_of[:, order] if first and heads == len(order) else heads_of
+
+    return cut
 
 
 def _window_expected(spec) -> str:

@@ -139,6 +139,11 @@ def _split_interleaved(t: T, heads: int) -> T:
     return t.reshape(b, n, d // heads, heads).permute(0, 3, 1, 2)
 
 
+#: the ways heads are cut wrongly from ``(b, tokens, d)``, each ``(t, heads) -> (b, heads,
+#: tokens, hd)``
+WRONG_CUTS = (_split_tokens, _split_interleaved, _split_channels_first)
+
+
 def _merge_tokens(c: T) -> T:
     """The inverse of :func:`_split_tokens`: ``(B, H, T, hd) -> (B, T, H*hd)`` by reshape."""
     return c.reshape(c.shape[0], c.shape[2], -1)
