@@ -3,7 +3,9 @@ flattened batch ``(batch * tokens, features)`` found stage by stage; one side's 
 scaled against the other's read at a large rotary base; query heads cut wrongly in a rotated,
 normed, grouped layer; keys times queries under a QK norm; a softmax scale that changes
 with the length refused; ALiBi as a function of the key with a softmax over the queries;
-a cache object a model hands its layers replayed as handed."""
+a cache object a model hands its layers replayed as handed; and from rounds 23 and m16:
+ALiBi slopes kept as a frozen parameter, a window applied after the softmax, an expert no
+token is routed to, a stack of mixed block types."""
 
 from __future__ import annotations
 
@@ -333,3 +335,146 @@ def test_a_cache_object_handed_to_a_layer_is_replayed_as_it_was_handed():
     report = check(_CacheObjectModel)
     assert report.ok, report.to_text(color=False)
     assert [p for p, _ in report.layers] == ["layers.0", "layers.1"]
+
+
+# ---------------------------------------------------------------- rounds 23 and m16's first runs
+
+
+class _FrozenSlopes(nn.Module):
+    """ALiBi whose slopes are kept as a frozen parameter (BTLM's ``requires_grad=False``),
+    causal; ``sign`` -1 flips the bias (favours distant keys: bias_sign)."""
+
+    def __init__(self, learned=False, sign=1.0):
+        super().__init__()
+        torch.manual_seed(8)
+        self.sign = sign
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+        slopes = torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8])[:, None, None]
+        self.slopes = nn.Parameter(slopes, requires_grad=learned)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(n)
+        bias = -self.sign * self.slopes * (pos[:, None] - pos[None, :]).abs()
+        s = q @ k.mT * 8**-0.5 + bias
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+def test_alibi_slopes_kept_as_a_frozen_parameter_are_alibi_a_learned_bias_is_refused():
+    report = check(_FrozenSlopes, kind="causal-multihead")
+    assert report.ok and report.structure["bias"] == "alibi", report.to_text(color=False)
+    flipped = check(lambda: _FrozenSlopes(sign=-1.0), kind="causal-multihead")
+    assert outcome(flipped) == ("biased_scores", "bias_sign"), flipped.to_text(color=False)
+    with pytest.raises(AttnScopeError, match="learned relative position bias"):
+        check(lambda: _FrozenSlopes(learned=True), kind="causal-multihead")
+
+
+class _WindowZeroed(nn.Module):
+    """A sliding window of 3 (declared), the mask applied after the softmax: probabilities
+    outside the window zeroed, rows not renormalised (or, ``right``, before the softmax)."""
+
+    def __init__(self, right=False):
+        super().__init__()
+        torch.manual_seed(9)
+        self.right, self.sliding_window = right, 3
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        allowed = (j <= i) & (i - j < self.sliding_window)
+        s = q @ k.mT * 8**-0.5
+        if self.right:
+            w = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+        else:
+            w = s.softmax(-1) * allowed
+        return self.o((w @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+def test_a_window_applied_to_the_weights_after_the_softmax_is_mask_after_softmax():
+    assert check(lambda: _WindowZeroed(right=True), kind="causal-multihead").ok
+    report = check(_WindowZeroed, kind="causal-multihead")
+    assert outcome(report) == ("weights", "mask_after_softmax"), report.to_text(color=False)
+
+
+class _TwoExperts(nn.Module):
+    """CogVLM's expert attention: image tokens and text tokens projected by weights of their
+    own, routed by a token-type mask; ``image`` marks how many leading tokens are image
+    tokens (0: text only, the vision expert projects no token)."""
+
+    def __init__(self, image=0):
+        super().__init__()
+        torch.manual_seed(10)
+        self.image = image
+        self.text_qkv, self.image_qkv = nn.Linear(32, 96), nn.Linear(32, 96)
+        self.o = nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        is_image = torch.zeros(b, n, dtype=torch.bool)
+        is_image[:, : self.image] = True
+        qkv = x.new_zeros(b, n, 96)
+        qkv[is_image] = self.image_qkv(x[is_image])
+        qkv[~is_image] = self.text_qkv(x[~is_image])
+        q, k, v = qkv.view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_an_expert_no_token_is_routed_to_is_no_second_projection():
+    """Text only, the image expert projects an empty selection: one attention, judged;
+    with image tokens routed to it, a multiway layer, refused."""
+    assert check(_TwoExperts, kind="causal-multihead").ok
+    with pytest.raises(AttnScopeError, match="multiway"):
+        check(lambda: _TwoExperts(image=2), kind="causal-multihead")
+
+
+class _OwnAttention(nn.Module):
+    """A block type of the tower's own, with nn.MultiheadAttention's parameters, handed no
+    mask (the slip: its block drops the causal mask it was given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj_weight = nn.Parameter(torch.randn(96, 32) * 0.2)
+        self.in_proj_bias = nn.Parameter(torch.zeros(96))
+        self.out_proj = nn.Linear(32, 32)
+
+    def forward(self, x, attn_mask=None):
+        b, n, _ = x.shape
+        q, k, v = nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
+        q, k, v = (t.view(b, n, 4, 8).transpose(1, 2) for t in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.out_proj(y.transpose(1, 2).reshape(b, n, 32))
+
+
+class _MixedTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.embed = nn.Embedding(96, 32)
+        self.blocks = nn.ModuleList(
+            [nn.MultiheadAttention(32, 4, batch_first=True) for _ in range(2)] + [_OwnAttention()]
+        )
+        self.head = nn.Linear(32, 96)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+        x = self.embed(ids)
+        for block in self.blocks:
+            if isinstance(block, nn.MultiheadAttention):
+                x = x + block(x, x, x, attn_mask=mask, need_weights=False)[0]
+            else:
+                x = x + block(x)  # the mask dropped
+        return self.head(x)
+
+
+def test_a_stack_of_mixed_block_types_is_one_kind_when_inferred():
+    """Blocks at the same place with the same parameters are one stack whatever their
+    class: its causal layers make the one handed no mask a causal layer missing it."""
+    report = check(_MixedTower)
+    assert report.first_layer == "blocks.2"
+    assert outcome(report) == ("masked_scores", "missing_mask"), report.to_text(color=False)

@@ -228,6 +228,8 @@ _FEATURE_WORDS = {
     "variate_attention_bias": "learned relative position bias",
     "relative_position_xl": "relative attention",
     "length_dependent_scale": "sequence's length",
+    "learned_kv_prefix": "key/value rows joined",
+    "linear_attention": "linear attention",
 }
 
 

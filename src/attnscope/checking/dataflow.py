@@ -103,6 +103,22 @@ class Graph:
             stack.extend(a for a in self.ops[i].args if self.param[a])
         return tuple(sorted(set(names)))
 
+    def frozen(self, node: int) -> bool:
+        """Whether every parameter a node was made from is frozen (``requires_grad=False``:
+        a table of constants kept as a parameter, ALiBi slopes as BTLM's), so that what it
+        makes is fixed, not learned."""
+        seen, stack, leaves = set(), [node], []
+        while stack:
+            i = stack.pop()
+            if i in seen or not self.param[i]:
+                continue
+            seen.add(i)
+            leaf = self.ops[i].leaf
+            if leaf is not None and leaf.startswith("param:"):
+                leaves.append(self.original(i))
+            stack.extend(self.ops[i].args)
+        return bool(leaves) and not any(t.requires_grad for t in leaves)
+
     def original(self, node: int) -> T:
         """The tensor as the target had it (not the recorded detached alias)."""
         return self.rec._alive[node]

@@ -799,7 +799,7 @@ class Features:
         t = added.detach().double()
         finite = t[torch.isfinite(t) & (t > -1e4)]
         if torch.unique(finite).numel() > 2:
-            learned = bool(op.args) and self.g.param[op.args[0]]
+            learned = bool(op.args) and self.g.param[op.args[0]] and not self.g.frozen(op.args[0])
             if learned:
                 self._refuse(
                     "a learned relative position bias added in the scores' product", op.location
@@ -859,7 +859,8 @@ class Features:
         finite = t64[torch.isfinite(t64) & (t64 > -1e4)]
         distinct = torch.unique(finite).numel()
         if distinct > 2:
-            learned = self.g.param[op.args[consts[0][0]]]
+            made = op.args[consts[0][0]]
+            learned = self.g.param[made] and not self.g.frozen(made)
             if learned:
                 return ("bias-learned", "a learned relative position bias added to the scores")
             self._bias_seen = t

@@ -312,11 +312,13 @@ def _tokens_first(host: ModelHost) -> bool:
 
 def _stack_of(path: str, layer: nn.Module) -> tuple:
     """Layers of one stack: at the same place in each repeated block (the path with its
-    indices wildcarded: ``h.*.attn``), of one class with the same parameters' shapes. An
-    encoder's and a decoder's stacks are different places (``encoder.layers.*.self_attn``,
+    indices wildcarded: ``h.*.attn``), with the same parameters (names and shapes), of one
+    class or not (OpenCLIP's towers mix block types: torch's ``nn.MultiheadAttention`` in
+    some blocks, its own ``Attention`` with the same parameters in others). An encoder's and
+    a decoder's stacks are different places (``encoder.layers.*.self_attn``,
     ``decoder.layers.*.self_attn``)."""
     shapes = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
-    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", path), type(layer), shapes
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", path), shapes
 
 
 def _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens):

@@ -576,6 +576,9 @@ class _Reader:
 
     # -- roles, heads, layer
     def _assemble(self, cores, projs, after_context) -> Structure:
+        # a projection of no token at all (an expert no token was routed to: CogVLM's
+        # vision expert on text) makes nothing the attention reads
+        projs = {i: p for i, p in projs.items() if p.op.output.numel() > 0} or projs
         roles: dict[str, list[Projection]] = {"q": [], "k": [], "v": []}
         for core in cores:
             for role, node in (("q", core.q_node), ("k", core.k_node), ("v", core.v_node)):

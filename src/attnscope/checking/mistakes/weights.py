@@ -9,7 +9,7 @@ import torch
 
 from ...stages import Stage
 from ..compare import close
-from ..reference import Mutation, causal_hide
+from ..reference import Mutation, causal_hide, window_hide
 from .base import Context, Evidence, define
 
 T = torch.Tensor
@@ -108,8 +108,9 @@ define(
 def _mask_after_softmax(c: Context) -> list[Mutation]:
     if not c.spec.causal:
         return []
+    w = c.spec.window
     # softmax over the unmasked scores, then the mask on the weights
-    return [
+    out = [
         Mutation(
             "mask_after_softmax",
             _W,
@@ -117,6 +118,19 @@ def _mask_after_softmax(c: Context) -> list[Mutation]:
             mask=lambda s: s,
             after_softmax=lambda w: w.masked_fill(causal_hide(w.shape[-1]), 0.0),
         ),
+    ]
+    if w is not None and w < c.tokens:
+        out.append(
+            Mutation(
+                "mask_after_softmax",
+                _W,
+                f"weights zeroed outside the causal window of {w} after the softmax, rows not "
+                "renormalised",
+                mask=lambda s: s,
+                after_softmax=lambda t: t.masked_fill(window_hide(t.shape[-1], w), 0.0),
+            )
+        )
+    return out + [
         Mutation(
             "mask_after_softmax",
             _W,
