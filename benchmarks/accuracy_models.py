@@ -82,8 +82,9 @@ def judge(path: Path, expect: dict, infer: bool) -> tuple[str, str]:
 
 def summary(rows: list[tuple[str, dict, str, str]]) -> str:
     correct = [r for r in rows if r[1].get("ok")]
-    attention = [r for r in rows if not r[1].get("ok") and not r[1].get("decode")]
-    decoding = [r for r in rows if r[1].get("decode")]
+    # a correct model may state its decoding as {"mistake": None}: no decoding bug
+    decoding = [r for r in rows if (r[1].get("decode") or {}).get("mistake")]
+    attention = [r for r in rows if not r[1].get("ok") and r not in decoding]
     c = Counter(r[2] for r in rows)
     layer = c["code-right"] + c["stage-right"] + c["wrong-stage"]
     stage = c["code-right"] + c["stage-right"]

@@ -5,7 +5,9 @@ normed, grouped layer; keys times queries under a QK norm; a softmax scale that 
 with the length refused; ALiBi as a function of the key with a softmax over the queries;
 a cache object a model hands its layers replayed as handed; and from rounds 23 and m16:
 ALiBi slopes kept as a frozen parameter, a window applied after the softmax, an expert no
-token is routed to, a stack of mixed block types."""
+token is routed to, a stack of mixed block types; and from round 24: a layer that rebinds
+its input before unpacking it, grouped keys cut from the query columns, projections picked
+token by token."""
 
 from __future__ import annotations
 
@@ -478,3 +480,96 @@ def test_a_stack_of_mixed_block_types_is_one_kind_when_inferred():
     report = check(_MixedTower)
     assert report.first_layer == "blocks.2"
     assert outcome(report) == ("masked_scores", "missing_mask"), report.to_text(color=False)
+
+
+# ---------------------------------------------------------------- round 24's first run
+
+
+class _RebindsItsInput(nn.Module):
+    """TeleChat's layer: takes (batch, tokens, d), turns it sequence-first itself, then
+    unpacks ``q_len, bsz, _ = hidden_states.shape``: not a layer that takes (tokens, batch)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(12)
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.transpose(1, 0)
+        q_len, bsz, _ = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).view(q_len, bsz, 3, 4, 8).permute(2, 1, 3, 0, 4)
+        pos = torch.arange(q_len)
+        q, k = _rotate(q, pos, 1e4), _rotate(k, pos, 1e4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(bsz, q_len, 32))
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _RebindsItsInput()
+
+    def forward(self, x):
+        return x + self.attn(x)
+
+
+def test_a_layer_that_rebinds_its_input_before_unpacking_it_is_batch_first():
+    report = check(_Outer)
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["rope"] is not None
+
+
+class _PackedOffset(nn.Module):
+    """ONNX Runtime's packed QKV, grouped heads 4/2, rotated; ``slip``: the keys sliced
+    from offset 0 (the query projection's first key-width columns)."""
+
+    def __init__(self, slip=False):
+        super().__init__()
+        torch.manual_seed(13)
+        self.slip = slip
+        self.qkv_proj, self.o_proj = nn.Linear(32, 64, bias=False), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        packed = self.qkv_proj(x)
+        q = packed[..., :32]
+        k = packed[..., :16] if self.slip else packed[..., 32:48]
+        v = packed[..., 48:]
+        q = q.view(b, n, 4, 8).transpose(1, 2)
+        k, v = (t.view(b, n, 2, 8).transpose(1, 2) for t in (k, v))
+        pos = torch.arange(n)
+        q, k = _rotate(q, pos, 1e4), _rotate(k, pos, 1e4)
+        y = nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_grouped_keys_cut_from_the_query_columns_are_wrong_projection():
+    assert check(_PackedOffset, kind="causal-multihead").ok
+    report = check(lambda: _PackedOffset(slip=True), kind="causal-multihead")
+    assert outcome(report) == ("keys", "wrong_projection"), report.to_text(color=False)
+
+
+class _TokenTypeExperts(nn.Module):
+    """CogVLM's visual expert: every token projected by both experts, a ``where`` picking
+    the image expert's output for image tokens."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(14)
+        self.vision_qkv, self.language_qkv = nn.Linear(32, 96), nn.Linear(32, 96)
+        self.o = nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        image = (torch.arange(n) < n // 2)[None, :, None]
+        qkv = torch.where(image, self.vision_qkv(x), self.language_qkv(x))
+        q, k, v = qkv.view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_projections_picked_token_by_token_are_refused_naming_them():
+    with pytest.raises(AttnScopeError, match="token-type experts"):
+        check(_TokenTypeExperts, kind="causal-multihead")

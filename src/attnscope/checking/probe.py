@@ -289,6 +289,12 @@ def _says_tokens_first(m: nn.Module, params: list) -> bool:
         re.MULTILINE,
     )
     if unpack is not None:
+        # the name rebound before it is unpacked (TeleChat's ``hidden_states =
+        # hidden_states.transpose(1, 0)``): the layout unpacked is the layer's own, not
+        # the one it takes
+        rebound = re.search(rf"^\s*{first}\s*=[^=]", source[: unpack.start()], re.MULTILINE)
+        if rebound is not None:
+            return False
         return unpack[1].lower() in _TIME_WORDS and unpack[2].lower() in _BATCH_WORDS
     docs = (forward.__doc__ or "") + (type(m).__doc__ or "")
     return _TXB.search(docs) is not None
@@ -2398,6 +2404,9 @@ class ModuleProbe:
                 # keys projected from the queries' input instead (wrong_source): read the
                 # norm on what the layer did, and let the stages judge the source
                 keys.append(project(call.x, spec, w)[1])
+            if spec.kv != spec.num_heads and call.context is None:
+                # keys cut from the query projection's first columns (wrong_projection)
+                keys.append(q[..., : k.shape[-1]])
         except (AttnScopeError, RuntimeError):
             return None
         core = st.cores[0]

@@ -561,6 +561,29 @@ class _Reader:
             return cand, bias.detach().double()
         return None
 
+    def _chosen_per_token(self, roles: dict[str, list[Projection]]) -> None:
+        """Refuse two projections of one input through weights of the same shape whose
+        outputs a ``where`` picks between, token by token (CogVLM's visual expert: image and
+        text tokens projected by weights of their own): one weighting is no reading of it."""
+        names = {"q": "queries", "k": "keys", "v": "values"}
+        for role, ps in roles.items():
+            alike = [
+                p for p in ps if p.w.shape == ps[0].w.shape and p.input_node == ps[0].input_node
+            ]
+            if len(alike) < 2:
+                continue
+            made = {p.op.index for p in alike}
+            for op in self.ops:
+                if op.name not in ("where", "where_") or len(op.args) < 3:
+                    continue
+                picked = [a for a in op.args[1:] if self.g.ancestors(a) & made]
+                if len(picked) >= 2:
+                    raise Unsupported(
+                        f"not supported yet: the {names[role]} made by one of several weights "
+                        "of the same shape, picked token by token (token-type experts: "
+                        f"CogVLM's visual expert?) at {op.location}"
+                    )
+
     def _core_for(self, cores: list[Core], weights: int) -> Core | None:
         """The scores product a weights tensor was made from (the latest one)."""
         anc = self.g.ancestors(weights)
@@ -585,6 +608,7 @@ class _Reader:
                 for p in self._projections_above(node, projs):
                     if all(p.op.index != o.op.index for o in roles[role]):
                         roles[role].append(p)
+        self._chosen_per_token(roles)
         applied = {p.op.index for ps in roles.values() for p in ps}
         once = {r: _per_sequence_once(ps) for r, ps in roles.items()}
         self.copies = max((len(roles[r]) // max(len(once[r]), 1) for r in roles), default=1)

@@ -111,6 +111,23 @@ def _wrong_projection(c: Context) -> list[Mutation]:
             )
             for src, label in _swaps(c.combined_qkv)
         ]
+    if c.spec.kv != c.spec.num_heads:
+        # grouped heads: the keys or values cut from the query projection's first columns
+        # (a packed qkv sliced at offset 0 for the keys), as wide as the keys are
+        out += [
+            Mutation(
+                "wrong_projection",
+                _QKV[1],
+                "keys from W_query (its first key-width columns)",
+                qkv=lambda q, k, v: (q, q[..., : k.shape[-1]], v),
+            ),
+            Mutation(
+                "wrong_projection",
+                _QKV[2],
+                "values from W_query (its first value-width columns)",
+                qkv=lambda q, k, v: (q, k, q[..., : v.shape[-1]]),
+            ),
+        ]
     return out + _biases(b)
 
 
