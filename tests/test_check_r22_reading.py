@@ -7,7 +7,8 @@ a cache object a model hands its layers replayed as handed; and from rounds 23 a
 ALiBi slopes kept as a frozen parameter, a window applied after the softmax, an expert no
 token is routed to, a stack of mixed block types; and from round 24: a layer that rebinds
 its input before unpacking it, grouped keys cut from the query columns, projections picked
-token by token."""
+token by token; and from m18: a layer that runs only inside its model, an RMS norm written
+with ``sqrt``, values made by the key projection."""
 
 from __future__ import annotations
 
@@ -573,3 +574,89 @@ class _TokenTypeExperts(nn.Module):
 def test_projections_picked_token_by_token_are_refused_naming_them():
     with pytest.raises(AttnScopeError, match="token-type experts"):
         check(_TokenTypeExperts, kind="causal-multihead")
+
+
+# ---------------------------------------------------------------- model round 18's first run
+
+_CONTEXT = {}  # a global context the model's forward sets around its layers (nano-vllm's)
+
+
+class _ContextLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        lens = _CONTEXT["lens"]  # raises called on its own: the model sets it
+        b, n, _ = x.shape
+        assert lens == [n] * b
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, n, 32))
+
+
+class _ContextModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(15)
+        self.embed = nn.Embedding(96, 32)
+        self.layers = nn.ModuleList(_ContextLayer() for _ in range(2))
+        self.head = nn.Linear(32, 96)
+
+    def forward(self, ids):
+        _CONTEXT["lens"] = [ids.shape[1]] * ids.shape[0]
+        try:
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = x + layer(x)
+            return self.head(x)
+        finally:
+            _CONTEXT.clear()
+
+
+def test_a_layer_that_runs_only_inside_its_model_is_probed_there():
+    report = check(_ContextModel)
+    assert report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == ["layers.0", "layers.1"]
+
+
+class _SqrtNormValuesFromKeys(nn.Module):
+    """A per-head RMS QK norm written ``x / sqrt(mean(x²) + eps)``, rotated, grouped 4/2;
+    ``slip``: the values are the keys' projection (``value_states = key_states``) while
+    ``v_proj`` sits idle."""
+
+    def __init__(self, slip=False):
+        super().__init__()
+        torch.manual_seed(16)
+        self.slip = slip
+        self.q_proj, self.k_proj, self.v_proj = (
+            nn.Linear(32, 32),
+            nn.Linear(32, 16),
+            nn.Linear(32, 16),
+        )
+        self.o_proj = nn.Linear(32, 32)
+        self.gq, self.gk = nn.Parameter(torch.rand(8) + 0.5), nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, 4, 8).transpose(1, 2)
+        k = self.k_proj(x)
+        v = k if self.slip else self.v_proj(x)
+        k, v = (t.view(b, n, 2, 8).transpose(1, 2) for t in (k, v))
+
+        def rms(t, g):
+            return g * (t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+        pos = torch.arange(n)
+        q, k = _rotate(rms(q, self.gq), pos, 1e4), _rotate(rms(k, self.gk), pos, 1e4)
+        y = nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_an_rms_norm_written_with_sqrt_is_read_and_values_from_the_keys_named():
+    report = check(_SqrtNormValuesFromKeys, kind="causal-multihead")
+    assert report.ok and report.structure["qk_norm"] == "per-head", report.to_text(color=False)
+    slip = check(lambda: _SqrtNormValuesFromKeys(slip=True), kind="causal-multihead")
+    assert outcome(slip) == ("values", "wrong_projection"), slip.to_text(color=False)

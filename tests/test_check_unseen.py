@@ -21,6 +21,9 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 25's first run (commit 001d04b)
+    "r25/r03_mimo_query_temperature": "refused, but naming the rotation it could not read, "
+    "not the position-dependent temperature on the queries (as r20's Llama 4 case)",
     # round 24's first run (commit f4d653e)
     "r24/b10_ort_window_passed_as_local_window_size": "ONNX Runtime's local_window_size "
     "counts the keys left of the query: the layer keeps 8 and sees 9 keys, as its own "
@@ -237,6 +240,7 @@ _FEATURE_WORDS = {
     "linear_attention": "linear attention",
     "mask_unit_windows": "mask of another pattern",
     "token_type_experts": "token-type experts",
+    "position_dependent_temperature": "temperature",
 }
 
 

@@ -190,10 +190,24 @@ def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pa
         # as wide as the queries twice, or (grouped heads) as the keys and values read
         kv_width = st.widths.get("k", 0) + st.widths.get("v", 0)
         if w.shape[1] in (2 * pairs["q"][0].shape[1], kv_width) and w.shape[1] % 2 == 0:
-            return [
+            split = [
                 ((pairs["q"], *parts), layout)
                 for layout, parts in split_qkv(w, b, st.kv_heads or st.heads, parts=2)
             ]
+            # the values made by the key projection itself while a value projection of its
+            # shape sits idle (``value_states = key_states``): that reading too, first
+            idle = []
+            for name, obj in st.unused:
+                try:
+                    options = readings(obj, name, w.shape[0])
+                except AttnScopeError:
+                    continue
+                idle += [
+                    ((pairs["q"], pairs["k"], pair), f"{name} (never used) for the v role")
+                    for pair in options
+                    if pair[0].shape == w.shape
+                ]
+            return idle + split
     if shared.get("k") == "q" and pairs["q"][0].shape[1] == 2 * pairs["v"][0].shape[1]:
         # queries and keys cut from one weight of twice the width
         return [

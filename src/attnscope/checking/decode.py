@@ -1076,13 +1076,22 @@ def _new_token(
     along the axis that runs over the tokens: the one ``total`` long in the full pass and
     shorter in the step, every other axis alike (tokens first, ``(T, B, d)``, as fairseq
     and ChatGLM run their layers, or batch first); the second axis where none is."""
-    axis = 1
+    axis = None
     if step.dim() == full.dim() and step.dim() >= 2:
         for a in range(step.dim()):
             others = all(step.shape[i] == full.shape[i] for i in range(step.dim()) if i != a)
             if full.shape[a] == total and step.shape[a] < total and others:
                 axis = a
                 break
+        rest = step.shape[1:] == full.shape[1:]
+        if axis is None and rest and full.shape[0] % total == 0 and full.shape[0] > total:
+            # an engine's flattened batch, (B * T, ...): each sequence's tokens in turn
+            b = full.shape[0] // total
+            if step.shape[0] % b == 0:
+                step = step.reshape(b, step.shape[0] // b, *step.shape[1:])
+                full = full.reshape(b, total, *full.shape[1:])
+                axis = 1
+    axis = 1 if axis is None else axis
     n = step.shape[axis]
     return step.narrow(axis, n - 1, 1).double(), full.narrow(axis, pos, 1).double()
 

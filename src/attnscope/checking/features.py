@@ -41,7 +41,9 @@ _SHIFT_OPS = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__"
 _ROTARY_CALLS = {"view_as_complex", "view_as_real", "polar", "complex"}
 #: norms that make a vector unit length (F.normalize, x / x.norm()): cosine attention
 _UNIT_NORMS = {"normalize", "norm", "vector_norm", "linalg_vector_norm"}
-_NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt", "normalize", "norm", "vector_norm"}
+#: a norm on the path to the scores (an RMSNorm written as x / sqrt(mean(x²) + eps) too)
+_NORM_CALLS = {"layer_norm", "rms_norm", "group_norm", "rsqrt", "sqrt", "normalize", "norm"}
+_NORM_CALLS |= {"vector_norm"}
 MASKING_OPS = {"masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub"}
 MASKING_OPS |= {"__sub__", "sub_", "__iadd__", "__isub__"}
 MASKING_OPS |= {"mul", "__mul__", "__rmul__", "mul_", "tril", "triu", "tril_", "triu_"}
@@ -664,7 +666,15 @@ class Features:
         if op.name not in _COMBINE:
             return
         made = {a for a in op.args if a in after_softmax and a in reach}
-        if len(made) >= 2:
+        # the other map from a product of its own (differential attention's second half
+        # of the heads): made by a softmax, off the first scores' path
+        softmaxes = {o.index for o in self.ops[: op.index] if o.name in _SOFTMAX_CALLS}
+        made |= {
+            a
+            for a in op.args
+            if a not in made and self.g.tainted[a] and self.g.ancestors(a) & softmaxes
+        }
+        if len(made) >= 2 and made & reach:
             self._unmodelled(
                 "attention weights combined from two softmax maps (one subtracted from or "
                 "added to another: differential attention?)",

@@ -509,6 +509,9 @@ class ModuleProbe:
         #: a model around the layer (:class:`.model.ModelHost`): the layer is run where it
         #: sits in it, and only its own computation is recorded
         self.host = host
+        #: the model's layer raises called on its own (a context the model's forward sets
+        #: up around it): it is run inside a forward of the whole model instead
+        self._inside_model = False
         self.kind = None if kind is None else Kind.of(kind)
         self.fixed_tokens = tokens
         self.module: nn.Module = tgt.obj
@@ -961,6 +964,9 @@ class ModuleProbe:
         }
         x = torch.randn(BATCH, tokens, value.shape[-1], generator=self.discovery_gen)
         self._handed_residuals(x, value.shape)
+        # an unrecorded first call: whether the layer runs called on its own, or only
+        # inside the model's forward (a record holds no half-run call)
+        self._invoke_layer(x.clone())
         rec = self._recorder(x)
         with rec:
             out, err = self._invoke_layer(x)
@@ -1447,6 +1453,9 @@ class ModuleProbe:
         got = self.host.arguments(e.module, b, n)
         if isinstance(got, str):
             return None, got
+        if self._inside_model:
+            within = self._within_model(sub, b, n, change)
+            return within if within is not None else (None, f"{e.path!r} was not called")
         args, kwargs = e.handed(sub, *got, change)
         try:
             with self._taking_exit():
@@ -1454,7 +1463,13 @@ class ModuleProbe:
         except _Exited as taken:
             result, err = taken.output, None
         if err is not None:
-            return None, err
+            # called on its own, the layer lacks what the model's forward sets up around it
+            # (nano-vllm's global context of sequence lengths): from now on it runs inside
+            # the model (the discovery's unrecorded first call finds this out)
+            within = self._within_model(sub, b, n, change)
+            if within is not None:
+                self._inside_model = True
+            return within if within is not None else (None, err)
         out = first_tensor(result)
         if not isinstance(out, torch.Tensor):
             raise AttnScopeError(
@@ -1462,6 +1477,34 @@ class ModuleProbe:
                 f"first element is one), got {describe(out)}"
             )
         return e.leave(out, b, n), None
+
+    def _within_model(self, sub: torch.Tensor, b: int, n: int, change=None):
+        """The layer's output for ``sub``, run where it sits in a forward of the whole model
+        (on its input for this size): its hidden states swapped on the way in, its output
+        taken on the way out (the model stops there); None where that fails too."""
+        e = self.entry
+
+        def swap(mod, args, kwargs):
+            return e.handed(sub, args, kwargs, change)
+
+        def take(mod, args, out):
+            raise _Captured(out)
+
+        hooks = [
+            e.module.register_forward_pre_hook(swap, with_kwargs=True),
+            e.module.register_forward_hook(take),
+        ]
+        try:
+            with self._taking_exit():
+                self.host.call(self.host.input(b, n))
+        except _Captured as got:
+            out = first_tensor(got.output)
+            if isinstance(out, torch.Tensor):
+                return e.leave(out, b, n), None
+        finally:
+            for h in hooks:
+                h.remove()
+        return None
 
     def _expect_second_sequence(self) -> None:
         """A layer checked as cross-attention whose keys and values do not read its second
