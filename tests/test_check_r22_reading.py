@@ -8,7 +8,8 @@ ALiBi slopes kept as a frozen parameter, a window applied after the softmax, an 
 token is routed to, a stack of mixed block types; and from round 24: a layer that rebinds
 its input before unpacking it, grouped keys cut from the query columns, projections picked
 token by token; and from m18: a layer that runs only inside its model, an RMS norm written
-with ``sqrt``, values made by the key projection."""
+with ``sqrt``, values made by the key projection; and from m19: a tied table looked up
+transposed, an output kernel contracted over two axes."""
 
 from __future__ import annotations
 
@@ -660,3 +661,58 @@ def test_an_rms_norm_written_with_sqrt_is_read_and_values_from_the_keys_named():
     assert report.ok and report.structure["qk_norm"] == "per-head", report.to_text(color=False)
     slip = check(lambda: _SqrtNormValuesFromKeys(slip=True), kind="causal-multihead")
     assert outcome(slip) == ("values", "wrong_projection"), slip.to_text(color=False)
+
+
+# ---------------------------------------------------------------- model round 19's first run
+
+
+class _DenseGeneral(nn.Module):
+    """flax's DenseGeneral: a kernel of shape in_shape + out_shape, applied by tensordot."""
+
+    def __init__(self, in_shape, out_shape):
+        super().__init__()
+        self.kernel = nn.Parameter(torch.randn(*in_shape, *out_shape) / math.prod(in_shape) ** 0.5)
+        self.n_in = len(in_shape)
+
+    def forward(self, x):
+        dims = list(range(x.dim() - self.n_in, x.dim()))
+        return torch.tensordot(x, self.kernel, dims=(dims, list(range(self.n_in))))
+
+
+class _FlaxAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = (_DenseGeneral((32,), (4, 8)) for _ in range(3))
+        self.out = _DenseGeneral((4, 8), (32,))  # contracts two axes: heads and head_dim
+
+    def forward(self, x):
+        q, k, v = self.query(x) / 8**0.5, self.key(x), self.value(x)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k)
+        n = x.shape[1]
+        s = torch.where(torch.ones(n, n, dtype=torch.bool).tril(), s, torch.tensor(-1e30))
+        return self.out(torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v))
+
+
+class _TiedTableModel(nn.Module):
+    """Praxis's shared embedding: the ids look up rows of the output weight transposed
+    (``w.t()[ids]``), no ``nn.Embedding``; its layers project with 2-axis tensordots."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(17)
+        self.w = nn.Parameter(torch.randn(32, 96) * 0.2)  # (d, vocab)
+        self.layers = nn.ModuleList(_FlaxAttention() for _ in range(2))
+
+    def forward(self, ids):
+        x = self.w.t()[ids]
+        for layer in self.layers:
+            x = x + layer(x)
+        return x @ self.w
+
+
+def test_a_tied_table_transposed_gives_the_vocabulary_and_a_two_axis_output_kernel_is_read():
+    """Without its output kernel ``(heads, hd, d)`` read (a tensordot over two axes) every
+    correct layer had been an `output` false alarm."""
+    report = check(_TiedTableModel)
+    assert report.ok, report.to_text(color=False)
+    assert [p for p, _ in report.layers] == ["layers.0", "layers.1"]

@@ -21,6 +21,13 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 26's first run (commit 96879ad)
+    "r26/b07_neobert_freqs_indexed_by_head_axis": "every token of head h turned by the same "
+    "angle (the tables indexed by the head axis), queries and keys alike: no score changes, "
+    "so a rotation that does not move with the position is refused, as r13's and r20's",
+    "r26/r04_hrm_differential_attention": "refused, but for widths that do not compose: two "
+    "fused attention calls (each on half of the heads' features) whose outputs are "
+    "subtracted are not read as differential attention",
     # round 25's first run (commit 001d04b)
     "r25/r03_mimo_query_temperature": "refused, but naming the rotation it could not read, "
     "not the position-dependent temperature on the queries (as r20's Llama 4 case)",
@@ -241,6 +248,10 @@ _FEATURE_WORDS = {
     "mask_unit_windows": "mask of another pattern",
     "token_type_experts": "token-type experts",
     "position_dependent_temperature": "temperature",
+    "qkv_conv": "convolution over the tokens",
+    "dynamic_mask": "bias made from the input",
+    "context_norm": "norm",
+    "differential": "two softmax",
 }
 
 

@@ -58,6 +58,11 @@ class _Found(Exception):
     pass
 
 
+#: calls that hand a table on as another view or copy of itself
+_TABLE_VIEWS = {"t", "transpose", "permute", "contiguous", "to", "float", "double", "detach"}
+_TABLE_VIEWS |= {"__get__"}  # the ``.T`` and ``.mT`` properties
+
+
 class _TableLookup(TorchFunctionMode):
     """Watches a model's first calls on token ids for the one that looks them up in a table:
     a 2-D floating parameter or buffer of the model indexed by the ids (``W_E[tokens]``,
@@ -108,6 +113,18 @@ class _TableLookup(TorchFunctionMode):
             raise _Found
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if (
+            name in _TABLE_VIEWS
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and id(args[0]) in self.tables
+            and isinstance(out, torch.Tensor)
+            and out.dim() == 2
+        ):
+            # the table as the model reads it: a tied output weight transposed
+            # (Praxis's ``w.t()[ids]``), cast or made contiguous
+            self.tables.add(id(out))
+            self.keep.append(out)
         if (
             name in _ID_PASSING
             and args

@@ -139,6 +139,17 @@ def _contracted(op: Op, x: T) -> list[int] | None:
             if t is x:
                 return [i for i, c in enumerate(spec) if c not in out]
         return None
+    if name == "tensordot" and len(args) >= 2:
+        # dims: n (the last n axes of the first, the first n of the second), or two lists
+        dims = args[2] if len(args) > 2 else op.call_kwargs.get("dims", 2)
+        first = args[0] is x
+        if isinstance(dims, int):
+            return list(range(x.dim() - dims, x.dim())) if first else list(range(dims))
+        if isinstance(dims, (list, tuple)) and len(dims) == 2:
+            picked = dims[0] if first else dims[1]
+            picked = [picked] if isinstance(picked, int) else list(picked)
+            return sorted(d % x.dim() for d in picked)
+        return None
     if name in ("conv1d", "conv2d"):  # a 1 x 1 convolution over channels-first input
         w = args[1] if len(args) > 1 else op.call_kwargs.get("weight")
         if isinstance(w, torch.Tensor) and all(s == 1 for s in w.shape[2:]) and args[0] is x:
