@@ -92,19 +92,22 @@ def _names_a_sequence(name: str) -> bool:
 
 
 #: where a layer (or the config it is built from) says which kind of attention it is
-_TYPE_NAMES = ("attn_type", "attention_type", "layer_type")
+_TYPE_NAMES = ("attn_type", "attention_type", "layer_type", "attn_bias_type")
+#: words of an attention type that say it is a windowed (local) one
+_LOCAL_WORDS = ("sliding", "local", "window", "swa", "chunk")
 
 
 def _declares_global(holder) -> bool:
     """Whether ``holder`` declares its attention global (full): an attention type of
-    ``GLOBAL`` or ``"full_attention"`` beside a window size it holds for local layers
-    (gemma_pytorch's ``AttentionType``, Hugging Face's layer types)."""
+    ``GLOBAL``, ``"full_attention"`` or plain ``"causal"`` beside a window size it holds for
+    local layers (gemma_pytorch's ``AttentionType``, Hugging Face's layer types, BLT's
+    ``attn_bias_type``): a type that names no window."""
     for attr in _TYPE_NAMES:
         v = getattr(holder, attr, None)
         word = getattr(v, "name", v)  # an Enum member by its name
-        if isinstance(word, str):
+        if isinstance(word, str) and word:
             low = word.lower()
-            if ("global" in low or "full" in low) and "sliding" not in low and "local" not in low:
+            if not any(w in low for w in _LOCAL_WORDS):
                 return True
     return False
 
@@ -267,6 +270,17 @@ _TXB = re.compile(
     r"\b(?:T|Time|seq_len|tgt_len|src_len)\s*(?:x|×)\s*(?:B|Batch|bsz)\b"
     r"|\((?:seq_len|tgt_len|src_len)\s*,\s*(?:batch|bsz|batch_size)\s*,"
 )
+
+
+def _mask_like(buf: torch.Tensor) -> bool:
+    """Whether a square buffer is a mask (booleans, 0/1, or 0 and a large negative fill),
+    not a table of 2 x 2 rotation matrices (BLT's ``freqs_cis``, ``(T, d/2, 2, 2)``)."""
+    if buf.dtype == torch.bool:
+        return True
+    if not buf.is_floating_point() and buf.dtype not in (torch.uint8, torch.int8):
+        return False
+    values = torch.unique(buf.float())
+    return values.numel() <= 2 and bool(((values == 0) | (values == 1) | (values < -1e4)).all())
 
 
 def _says_tokens_first(m: nn.Module, params: list) -> bool:
@@ -1707,7 +1721,8 @@ class ModuleProbe:
                 if isinstance(v, int) and not isinstance(v, bool):
                     return v
         for _name, buf in self.module.named_buffers():
-            if buf.dim() >= 2 and buf.shape[-1] == buf.shape[-2] and buf.shape[-1] > 1:
+            square = buf.dim() >= 2 and buf.shape[-1] == buf.shape[-2] and buf.shape[-1] > 1
+            if square and _mask_like(buf):  # a causal mask sized for the longest input
                 return buf.shape[-1]
         return None
 
