@@ -716,3 +716,81 @@ def test_a_tied_table_transposed_gives_the_vocabulary_and_a_two_axis_output_kern
     report = check(_TiedTableModel)
     assert report.ok, report.to_text(color=False)
     assert [p for p, _ in report.layers] == ["layers.0", "layers.1"]
+
+
+# ---------------------------------------------------------------- round 27's first run
+
+
+class _RotationTables(nn.Module):
+    """BLT's rotary: a buffer of 2 x 2 rotation matrices per position and pair, ``(T, d/2,
+    2, 2)``; a model whose ``attn_bias_type`` is ``"causal"`` (a global layer) beside a
+    window length it keeps for its local layers, or ``"local_block_causal"`` with a mask of
+    ``window + extra`` keys (``extra`` 1: a window one key too wide)."""
+
+    def __init__(self, bias_type="causal", extra=0):
+        super().__init__()
+        torch.manual_seed(18)
+        self.attn_bias_type, self.sliding_window, self.extra = bias_type, 8, extra
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+        ang = torch.arange(64, dtype=torch.float64)[:, None] * 1e4 ** (
+            -torch.arange(0, 8, 2, dtype=torch.float64) / 8
+        )
+        rot = torch.stack([ang.cos(), -ang.sin(), ang.sin(), ang.cos()], -1).view(64, 4, 2, 2)
+        self.register_buffer("freqs_cis", rot, persistent=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        rot = self.freqs_cis[:n].to(x.dtype)
+
+        def turn(t):  # the halves pairing, with the matrices' cos and sin
+            cos, sin = rot[..., 0, 0], rot[..., 1, 0]  # (tokens, hd / 2)
+            a, b = t[..., :4], t[..., 4:]
+            return torch.cat((a * cos - b * sin, a * sin + b * cos), -1)
+
+        q, k = turn(q), turn(k)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        allowed = j <= i
+        if self.attn_bias_type != "causal":
+            allowed = allowed & (i - j < self.sliding_window + self.extra)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.o(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_rotation_matrix_tables_do_not_cap_the_probe_and_a_causal_type_is_global():
+    """The 2 x 2 matrices are no causal mask sized for the longest input: the probe is
+    longer than the window, which a local layer one key too wide then shows; a layer whose
+    type names no window is a global one, not a window missing."""
+    glob = check(_RotationTables, kind="causal-multihead")
+    assert glob.ok and glob.structure["window"] is None, glob.to_text(color=False)
+    local = check(lambda: _RotationTables("local_block_causal"), kind="causal-multihead")
+    assert local.ok and local.structure["window"] == 8, local.to_text(color=False)
+    wide = check(lambda: _RotationTables("local_block_causal", 1), kind="causal-multihead")
+    assert outcome(wide) == ("masked_scores", "window_size"), wide.to_text(color=False)
+
+
+class _KeysFromValues(nn.Module):
+    """A fused split unpacked as (query, value, key): keys from the value columns, rotated."""
+
+    def __init__(self, slip=False):
+        super().__init__()
+        torch.manual_seed(19)
+        self.slip = slip
+        self.c_attn, self.c_proj = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.c_attn(x).split(32, dim=-1)
+        if self.slip:
+            q, v, k = self.c_attn(x).split(32, dim=-1)
+        q, k, v = (t.view(b, n, 4, 8).transpose(1, 2) for t in (q, k, v))
+        pos = torch.arange(n)
+        q, k = _rotate(q, pos, 1e4), _rotate(k, pos, 1e4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_rotated_keys_made_with_the_value_columns_are_wrong_projection():
+    assert check(_KeysFromValues, kind="causal-multihead").ok
+    report = check(lambda: _KeysFromValues(slip=True), kind="causal-multihead")
+    assert report.first_failure.mistake == "wrong_projection", report.to_text(color=False)

@@ -21,6 +21,20 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 27's first run (commit 33dc787)
+    "r27/b03_codeshell_is_causal_inverted": (
+        "inferred",
+        "is_causal switched off and no mask: with the kind inferred nothing it computes says "
+        "decoder",
+    ),
+    "r27/b07_blt_patch_local_rope_positions": "positions restarting at each patch of 4 "
+    "tokens: refused as a rotation whose angles are not position x frequency, not named "
+    "rope_positions",
+    "r27/b10_lightllm_kv_without_start_offset": "every request of a flat token batch reading "
+    "the first request's keys: the stage is right (scores), the code read as not_dot_product, "
+    "not batch_mixing",
+    "r27/r02_blt_differential_attention": "refused, but as a multiway layer (two query "
+    "weights), not as differential attention",
     # round 26's first run (commit 96879ad)
     "r26/b07_neobert_freqs_indexed_by_head_axis": "every token of head h turned by the same "
     "angle (the tables indexed by the head axis), queries and keys alike: no score changes, "

@@ -2465,6 +2465,9 @@ class ModuleProbe:
             if spec.kv != spec.num_heads and call.context is None:
                 # keys cut from the query projection's first columns (wrong_projection)
                 keys.append(q[..., : k.shape[-1]])
+            if call.context is None:
+                # keys made with the value projection (a fused split unpacked as q, v, k)
+                keys.append(project(call.x, spec, w)[2])
         except (AttnScopeError, RuntimeError):
             return None
         core = st.cores[0]
