@@ -746,7 +746,10 @@ def _kept(drive: _Driver, model: nn.Module) -> list[torch.Tensor]:
     else:
         params = {id(p) for p in model.parameters()}
         for m in model.modules():
-            for v in [*m._buffers.values(), *vars(m).values()]:
+            # its buffers and plain attributes (not torch's own registries of parameters
+            # and submodules)
+            held = [v for k, v in vars(m).items() if not k.startswith("_")]
+            for v in [*m._buffers.values(), *held]:
                 if id(v) not in params:
                     walk(v, 1)
     return out
