@@ -1433,6 +1433,26 @@ class ModuleProbe:
         if self.host is not None:  # a model's layer: called on what the model hands it
             return self._invoke_in_model(sub, *x32.shape[:2], change)
 
+        try:
+            with self._swapped_in(sub, change), self._taking_exit():
+                _, err = self._invoke_root(self._root_input(*x32.shape[:2]), causal_hint)
+        except _Captured as got:
+            out = first_tensor(got.output)
+            if not isinstance(out, torch.Tensor):
+                raise AttnScopeError(
+                    f"{self.tgt.text}: expected {e.path!r} to return a tensor (or a tuple whose "
+                    f"first element is one), got {describe(out)}"
+                ) from None
+            return e.leave(out, *x32.shape[:2]), None
+        return None, err or f"{e.path!r} was not called"
+
+    @contextlib.contextmanager
+    def _swapped_in(self, sub: torch.Tensor, change=None):
+        """While the wrapper or model around the layer runs: the layer's hidden states
+        swapped for ``sub`` on the way in (and ``change``'s argument), its output taken on
+        the way out (raised as :class:`_Captured`, which stops the run there)."""
+        e = self.entry
+
         def swap(mod, args, kwargs):
             return e.handed(sub, args, kwargs, change)
 
@@ -1444,20 +1464,10 @@ class ModuleProbe:
             e.module.register_forward_hook(take),
         ]
         try:
-            with self._taking_exit():
-                _, err = self._invoke_root(self._root_input(*x32.shape[:2]), causal_hint)
-        except _Captured as got:
-            out = first_tensor(got.output)
-            if not isinstance(out, torch.Tensor):
-                raise AttnScopeError(
-                    f"{self.tgt.text}: expected {e.path!r} to return a tensor (or a tuple whose "
-                    f"first element is one), got {describe(out)}"
-                ) from None
-            return e.leave(out, *x32.shape[:2]), None
+            yield
         finally:
             for h in hooks:
                 h.remove()
-        return None, err or f"{e.path!r} was not called"
 
     def _invoke_in_model(self, sub: torch.Tensor, b: int, n: int, change=None):
         """Call a model's layer on the arguments the model hands it for this size (captured
@@ -1496,28 +1506,13 @@ class ModuleProbe:
         """The layer's output for ``sub``, run where it sits in a forward of the whole model
         (on its input for this size): its hidden states swapped on the way in, its output
         taken on the way out (the model stops there); None where that fails too."""
-        e = self.entry
-
-        def swap(mod, args, kwargs):
-            return e.handed(sub, args, kwargs, change)
-
-        def take(mod, args, out):
-            raise _Captured(out)
-
-        hooks = [
-            e.module.register_forward_pre_hook(swap, with_kwargs=True),
-            e.module.register_forward_hook(take),
-        ]
         try:
-            with self._taking_exit():
+            with self._swapped_in(sub, change), self._taking_exit():
                 self.host.call(self.host.input(b, n))
         except _Captured as got:
             out = first_tensor(got.output)
             if isinstance(out, torch.Tensor):
-                return e.leave(out, b, n), None
-        finally:
-            for h in hooks:
-                h.remove()
+                return self.entry.leave(out, b, n), None
         return None
 
     def _expect_second_sequence(self) -> None:
