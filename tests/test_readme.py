@@ -17,7 +17,7 @@ def _commands() -> list[str]:
 def test_readme_has_exactly_two_setup_commands():
     demo, tests = _commands()
     assert demo.endswith("attnscope demo")
-    assert tests.endswith("python -m pytest -q")
+    assert tests.endswith("python -m pytest -q -n auto")
     assert "-c constraints/cpu.txt" in demo and "-c constraints/cpu.txt" in tests
 
 
