@@ -196,17 +196,7 @@ def _triples(st: Structure, layer: nn.Module) -> list[tuple[tuple[Pair, Pair, Pa
             ]
             # the values made by the key projection itself while a value projection of its
             # shape sits idle (``value_states = key_states``): that reading too, first
-            idle = []
-            for name, obj in st.unused:
-                try:
-                    options = readings(obj, name, w.shape[0])
-                except AttnScopeError:
-                    continue
-                idle += [
-                    ((pairs["q"], pairs["k"], pair), f"{name} (never used) for the v role")
-                    for pair in options
-                    if pair[0].shape == w.shape
-                ]
+            idle = _with_unused(st, layer, (pairs["q"], pairs["k"], pairs["k"]), [("k", "v")])
             return idle + split
     if shared.get("k") == "q" and pairs["q"][0].shape[1] == 2 * pairs["v"][0].shape[1]:
         # queries and keys cut from one weight of twice the width
@@ -335,11 +325,12 @@ def _doubled(st: Structure) -> list[tuple[str, str]]:
     ]
 
 
-def _with_unused(st: Structure, layer: nn.Module, triple) -> list:
+def _with_unused(st: Structure, layer: nn.Module, triple, same=None) -> list:
     """Two roles made with one projection while the layer holds another of the same shape,
     never used: the unused one is where the second role should have come from (keys made
-    with W_query while W_key sits idle)."""
-    same = _doubled(st)
+    with W_query while W_key sits idle). ``same``: those pairs of roles (default: the ones
+    :func:`_doubled` reads)."""
+    same = _doubled(st) if same is None else same
     order = {"q": 0, "k": 1, "v": 2}
     found = []
     d_in = triple[0][0].shape[0]

@@ -205,6 +205,7 @@ class Features:
         self.s, self.g, self.ops = s, g, g.ops
         self.window_seen = 0  # the window of the last band-shaped mask judged
         self._bias_seen: T | None = None
+        self._softmaxes = {o.index for o in self.ops if o.name in _SOFTMAX_CALLS}
 
     def _lead(self) -> tuple[int, int] | None:
         """The probe's (batch, tokens): the leading axes of the first input."""
@@ -666,15 +667,16 @@ class Features:
         if op.name not in _COMBINE:
             return
         made = {a for a in op.args if a in after_softmax and a in reach}
+        if not made:
+            return
         # the other map from a product of its own (differential attention's second half
         # of the heads): made by a softmax, off the first scores' path
-        softmaxes = {o.index for o in self.ops[: op.index] if o.name in _SOFTMAX_CALLS}
         made |= {
             a
             for a in op.args
-            if a not in made and self.g.tainted[a] and self.g.ancestors(a) & softmaxes
+            if a not in made and self.g.tainted[a] and self.g.ancestors(a) & self._softmaxes
         }
-        if len(made) >= 2 and made & reach:
+        if len(made) >= 2:
             self._unmodelled(
                 "attention weights combined from two softmax maps (one subtracted from or "
                 "added to another: differential attention?)",

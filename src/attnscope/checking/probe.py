@@ -2451,18 +2451,19 @@ class ModuleProbe:
             return None
         try:
             st = read_structure(call.record, self.module)
-            q, k, _ = project(call.x, spec, w, call.context)
+            q, k, v = project(call.x, spec, w, call.context)
             keys = [k]
             if call.context is not None and call.context.shape[-1] == call.x.shape[-1]:
                 # keys projected from the queries' input instead (wrong_source): read the
                 # norm on what the layer did, and let the stages judge the source
                 keys.append(project(call.x, spec, w)[1])
-            if spec.kv != spec.num_heads and call.context is None:
-                # keys cut from the query projection's first columns (wrong_projection)
-                keys.append(q[..., : k.shape[-1]])
             if call.context is None:
-                # keys made with the value projection (a fused split unpacked as q, v, k)
-                keys.append(project(call.x, spec, w)[2])
+                # keys made with another projection (wrong_projection): the query
+                # projection's first columns (grouped heads), or the value projection (a
+                # fused split unpacked as q, v, k)
+                if spec.kv != spec.num_heads:
+                    keys.append(q[..., : k.shape[-1]])
+                keys.append(v)
         except (AttnScopeError, RuntimeError):
             return None
         core = st.cores[0]

@@ -14,6 +14,7 @@ from ...stages import Stage
 from ..alibi import alibi_bias
 from ..reference import Mutation, causal_hide, split, window_mask
 from .base import Context, define
+from .projections import only_one
 
 _OTHER = {"half": "interleaved", "interleaved": "half"}
 
@@ -261,17 +262,9 @@ def _kv_group_mapping(c: Context) -> list[Mutation]:
 def _queries_group_minor(per_group: int, groups: int):
     """A heads cut whose queries come out grouped the other way: position ``g * per_group +
     a`` holds projected head ``a * groups + g`` (an einops ``(hpg group dim)`` where ``(group
-    hpg dim)`` was meant); keys and values cut right. Called for q, k, v in that order."""
+    hpg dim)`` was meant); keys and values cut right."""
     order = torch.tensor([a * groups + g for g in range(groups) for a in range(per_group)])
-    calls = {"n": 0}
-
-    def cut(t: torch.Tensor, heads: int) -> torch.Tensor:
-        first = calls["n"] % 3 == 0
-        calls["n"] += 1
-        heads_of = split(t, heads)
-        return heads_of[:, order] if first and heads == len(order) else heads_of
-
-    return cut
+    return only_one(0, lambda t, heads: split(t, heads)[:, order])
 
 
 def _window_expected(spec) -> str:

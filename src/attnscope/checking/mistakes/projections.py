@@ -171,7 +171,7 @@ def _merge_interleaved(c: T) -> T:
     return c.permute(0, 2, 3, 1).reshape(c.shape[0], c.shape[2], -1)
 
 
-def _only(which: int, bad: Callable[[T, int], T]) -> Callable[[T, int], T]:
+def only_one(which: int, bad: Callable[[T, int], T]) -> Callable[[T, int], T]:
     """A split applied wrongly to one of queries/keys/values (by call order 0, 1, 2)."""
     calls = {"n": 0}
 
@@ -211,7 +211,7 @@ def _heads_split(c: Context) -> list[Mutation]:
         for i, stage in enumerate(_QKV):
             out.append(
                 Mutation(
-                    "heads_split", stage, f"heads of {stage} cut from {how}", split=_only(i, bad)
+                    "heads_split", stage, f"heads of {stage} cut from {how}", split=only_one(i, bad)
                 )
             )
     if c.spec.kv == c.spec.num_heads:
