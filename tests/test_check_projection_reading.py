@@ -122,11 +122,15 @@ def test_one_fused_weight_for_multi_query_attention_and_the_feed_forward(order, 
 
 
 class _Adapted(nn.Module):
-    """q/k/v = a projection plus a low-rank adapter (``W x + B(A(x))``, LoRA)."""
+    """q/k/v = a projection plus a low-rank adapter (``W x + B(A(x))``, LoRA); ``peft``:
+    as PEFT writes it, the adapter's input through dropout and its output times
+    ``alpha / rank`` (a float on one side, a one-element tensor divided on the other)."""
 
-    def __init__(self, scaled: bool, d: int = 32, heads: int = 4, rank: int = 4):
+    def __init__(self, scaled: bool, d: int = 32, heads: int = 4, rank: int = 4, peft=False):
         super().__init__()
-        self.h, self.hd, self.scaled = heads, d // heads, scaled
+        self.h, self.hd, self.scaled, self.peft = heads, d // heads, scaled, peft
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("rank", torch.tensor(float(rank)))
         self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
         self.adapters = nn.ModuleList(
             nn.Sequential(nn.Linear(d, rank, bias=False), nn.Linear(rank, d, bias=False))
@@ -136,8 +140,16 @@ class _Adapted(nn.Module):
 
     def forward(self, x):
         b, n, _ = x.shape
+
+        def adapted(proj, ad):
+            if not self.peft:
+                return proj(x) + ad(x)
+            if proj is self.k:  # a one-element tensor divided: still one factor
+                return ad(self.drop(x)) / self.rank + proj(x)
+            return proj(x) + ad(self.drop(x)) * 2.0
+
         q, k, v = (
-            (proj(x) + ad(x)).view(b, n, self.h, self.hd).transpose(1, 2)
+            adapted(proj, ad).view(b, n, self.h, self.hd).transpose(1, 2)
             for proj, ad in zip((self.q, self.k, self.v), self.adapters, strict=True)
         )
         s = q @ k.transpose(-2, -1)
@@ -147,14 +159,39 @@ class _Adapted(nn.Module):
         return self.o(ctx.transpose(1, 2).reshape(b, n, -1))
 
 
+@pytest.mark.parametrize("peft", [False, True])
 @pytest.mark.parametrize(
     "scaled,want", [(True, ("ok",)), (False, ("scaled_scores", "missing_scale"))]
 )
-def test_a_projection_plus_a_low_rank_adapter_is_one_projection(scaled, want):
+def test_a_projection_plus_a_low_rank_adapter_is_one_projection(scaled, want, peft):
     """A projection applied to another's whole output is one projection; two projections
-    of one input added are one: their weights composed and summed."""
-    report = check(lambda: _Adapted(scaled), kind="multihead")
+    of one input added are one: their weights composed and summed, a constant factor on
+    one of them and a dropout before it included (it was refused as widths that do not
+    compose before)."""
+    report = check(lambda: _Adapted(scaled, peft=peft), kind="multihead")
     assert outcome(report) == want, report.to_text(color=False)
+    if peft and scaled:
+        assert "lora" not in report.structure  # nothing to report beyond heads
+        assert report.structure["heads"] == 4
+
+
+def test_an_adapter_scaled_by_something_the_input_makes_is_not_one_projection():
+    """A factor that varies with the input (a gate) makes the sum no projection: the
+    layer is refused, not judged as if the factor were constant."""
+
+    class Gated(_Adapted):
+        def forward(self, x):
+            b, n, _ = x.shape
+            gate = x.mean(-1, keepdim=True).sigmoid()
+            q = (self.q(x) + self.adapters[0](x) * gate).view(b, n, self.h, self.hd)
+            k = self.k(x).view(b, n, self.h, self.hd)
+            v = self.v(x).view(b, n, self.h, self.hd)
+            s = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / math.sqrt(self.hd)
+            ctx = s.softmax(-1) @ v.transpose(1, 2)
+            return self.o(ctx.transpose(1, 2).reshape(b, n, -1))
+
+    with pytest.raises(AttnScopeError, match="not supported yet"):
+        check(lambda: Gated(True), kind="multihead")
 
 
 class _CrossNormed(nn.Module):

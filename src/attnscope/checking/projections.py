@@ -306,15 +306,85 @@ def fold_bias(g: Graph, op: Op, projs: dict[int, Projection]) -> Projection | No
 _PASS = {"dropout", "contiguous", "clone", "detach"}
 
 
-def fold_sum(g: Graph, op: Op, projs: dict[int, Projection]) -> Projection | None:
+_SCALE_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__"}
+
+
+def _constant_factor(g: Graph, op: Op, node: int) -> float | None:
+    """The one number ``op`` multiplies (or divides) ``node`` by: a Python number or a
+    one-element tensor made from neither the input nor anything varying; else None."""
+    if op.name not in _SCALE_OPS or op.args.count(node) != 1 or len(op.call_args) != 2:
+        return None
+    if any(g.tainted[a] for a in op.args if a != node):
+        return None
+    shape = g.ops[node].output.shape
+    # the projection is the operand with its shape; the factor, the one-element other
+    at = next((i for i, c in enumerate(op.call_args) if _shaped(c, shape)), None)
+    if at is None or _shaped(op.call_args[1 - at], shape):
+        return None
+    other = op.call_args[1 - at]
+    if isinstance(other, torch.Tensor):
+        if other.numel() != 1:
+            return None
+        other = float(other)
+    if not isinstance(other, (int, float)) or isinstance(other, bool) or other == 0:
+        return None
+    if op.name in ("div", "__truediv__"):
+        return 1.0 / other if at == 0 else None  # c / (W x) is not linear
+    return float(other)
+
+
+def _shaped(c: object, shape: torch.Size) -> bool:
+    return isinstance(c, torch.Tensor) and c.shape == shape and c.numel() != 1
+
+
+def _only_user(g: Graph, node: int, user: int) -> bool:
+    return [o.index for o in g.ops[node + 1 :] if node in o.args] == [user]
+
+
+def _summand(g: Graph, node: int, projs: dict[int, Projection]) -> tuple[Projection, int] | None:
+    """A projection as one term of a sum: itself, or one read by nothing but a constant
+    factor (LoRA's ``B(A(x)) * scaling``): the projection so scaled and the node it was."""
+    if node in projs:
+        return projs[node], node
+    op = g.ops[node]
+    inner = [a for a in op.args if a in projs]
+    if len(inner) != 1 or not _only_user(g, inner[0], node):
+        return None
+    factor = _constant_factor(g, op, inner[0])
+    if factor is None:
+        return None
+    p = projs[inner[0]]
+    b = None if p.b is None else p.b * factor
+    return (
+        Projection(op, p.w * factor, b, p.params, p.input_node, rows=p.rows),
+        inner[0],
+    )
+
+
+def _passed(g: Graph, node: int) -> int:
+    """``node`` traced back through calls that pass a tensor on unchanged (dropout)."""
+    while g.ops[node].name in _PASS and len(g.ops[node].args) == 1:
+        node = g.ops[node].args[0]
+    return node
+
+
+def fold_sum(
+    g: Graph, op: Op, projs: dict[int, Projection]
+) -> tuple[Projection, tuple[int, ...]] | None:
     """Two projections of one input added (a weight plus a low-rank adapter, LoRA's
-    ``W x + B A x``): one projection, their weights and biases summed."""
+    ``W x + B A x * scaling``, the adapter's input passed through dropout): one projection,
+    their weights and biases summed; with the nodes it takes the place of."""
     if op.name not in ("add", "__add__", "__radd__") or len(op.args) != 2:
         return None
-    a, b = (projs.get(n) for n in op.args)
-    if a is None or b is None or op.args[0] == op.args[1]:
+    if op.args[0] == op.args[1]:
         return None
-    if a.input_node != b.input_node or a.w.shape != b.w.shape or a.rows != b.rows:
+    terms = [_summand(g, n, projs) for n in op.args]
+    if terms[0] is None or terms[1] is None:
+        return None
+    (a, a_node), (b, b_node) = terms
+    if _passed(g, a.input_node) != _passed(g, b.input_node):
+        return None
+    if a.w.shape != b.w.shape or a.rows != b.rows:
         return None
     if op.output.shape != a.op.output.shape or op.output.shape != b.op.output.shape:
         return None
@@ -323,7 +393,10 @@ def fold_sum(g: Graph, op: Op, projs: dict[int, Projection]) -> Projection | Non
         if a.b is None and b.b is None
         else (0 if a.b is None else a.b) + (0 if b.b is None else b.b)
     )
-    return Projection(op, a.w + b.w, bias, (*a.params, *b.params), a.input_node, rows=a.rows)
+    # the input itself, not the dropout the adapter's copy went through
+    x = a.input_node if b.input_node != _passed(g, a.input_node) else b.input_node
+    summed = Projection(op, a.w + b.w, bias, (*a.params, *b.params), x, rows=a.rows)
+    return summed, (a_node, b_node)
 
 
 def fold_chain(g: Graph, p: Projection, projs: dict[int, Projection]) -> int | None:

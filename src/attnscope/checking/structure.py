@@ -470,9 +470,10 @@ class _Reader:
                 if proj is not None:  # the bias joins the projection it follows
                     projs.pop(next(a for a in op.args if a in projs))
             if proj is None:
-                proj = fold_sum(g, op, projs)
-                if proj is not None:  # two projections of one input added: one
-                    for a in op.args:
+                summed = fold_sum(g, op, projs)
+                if summed is not None:  # two projections of one input added: one
+                    proj, parts = summed
+                    for a in parts:
                         projs.pop(a)
             if proj is not None:
                 projs[i] = proj
