@@ -21,15 +21,18 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 28's first run (commit 548e35e)
+    "r28/b20_decilm_causal_mask_only_with_padding": (
+        "inferred",
+        "its causal mask is built only when a padding mask is passed: with none, nothing it "
+        "computes says decoder",
+    ),
     # round 27's first run (commit 33dc787)
     "r27/b03_codeshell_is_causal_inverted": (
         "inferred",
         "is_causal switched off and no mask: with the kind inferred nothing it computes says "
         "decoder",
     ),
-    "r27/b07_blt_patch_local_rope_positions": "positions restarting at each patch of 4 "
-    "tokens: refused as a rotation whose angles are not position x frequency, not named "
-    "rope_positions",
     "r27/b10_lightllm_kv_without_start_offset": "every request of a flat token batch reading "
     "the first request's keys: the stage is right (scores), the code read as not_dot_product, "
     "not batch_mixing",
@@ -209,6 +212,7 @@ _FEATURE_WORDS = {
     "kv_cache": "KV cache",
     "model": "several attention layers",
     "softcap": "soft-capping",
+    "logit_softcap": "soft-capping",
     "attention_sinks": "attention sink",
     "cosine_attention": "cosine",
     "rope_2d": "rotary",
@@ -266,13 +270,19 @@ _FEATURE_WORDS = {
     "dynamic_mask": "bias made from the input",
     "context_norm": "norm",
     "differential": "two softmax",
+    "rope_subset_heads": "rotary",
+    "null_kv": "key/value rows joined",
 }
 
 
 #: features modelled since their round was written: those correct layers are now judged
 _MODELLED = {"rotary", "grouped", "window", "qk_norm", "alibi", "cross", "model", "softcap"}
+_MODELLED |= {"logit_softcap", "sub_layernorm", "context_norm"}  # since rounds 28 and m21
 #: modelled where the layer declares it (the declaration the refusal names otherwise)
-_MODELLED_WHEN_DECLARED = {"softcap": "attn_logit_softcapping"}
+_MODELLED_WHEN_DECLARED = {
+    "softcap": "attn_logit_softcapping",
+    "logit_softcap": "attn_logit_softcapping",
+}
 
 
 @pytest.mark.parametrize("path,expect", _cases(False))

@@ -470,11 +470,14 @@ class Features:
         made = self.g.descendants(start.index)
         for op in self.ops[start.index + 1 : end]:
             if op.index in made and op.name in _NORMS and self.s.out is not None:
-                self._unmodelled(
+                # a sub-LayerNorm (Kosmos-2, Magneto, BitNet): not modelled unless the probe
+                # reads it as a plain norm over the merged heads (and takes it off the list)
+                what = (
                     f"a norm ({op.name}) applied to the context before the output projection "
-                    "(a sub-LayerNorm inside the attention, as Kosmos-2 and Magneto have?)",
-                    op.location,
+                    "(a sub-LayerNorm inside the attention, as Kosmos-2 and Magneto have?)"
                 )
+                self.s.out_norm = (op.index, what, op.location)
+                self._unmodelled(what, op.location)
                 return
             if op.index not in made or op.name not in _GATES:
                 continue

@@ -84,6 +84,10 @@ class Structure:
     #: joined to the keys): where no reading and no known mistake explains the output, the
     #: layer is refused naming the first, not given a verdict
     unmodelled: list[tuple[str, str | None]] = field(default_factory=list)
+    #: (op index, what, line) of a norm applied to the merged context before the output
+    #: projection (Kosmos-2's ``inner_attn_ln``, BitNet's ``attn_sub_norm``): read by the
+    #: probe, which refuses it when it is not a plain norm
+    out_norm: tuple[int, str, str | None] | None = None
     #: the projections' ops that ``roles`` does not list: one weight applied again to
     #: another sequence of the batch (a loop over the sequences), read as the one it is
     repeats: set[int] = field(default_factory=set)

@@ -24,7 +24,7 @@ from ..errors import AttnScopeError
 from ..stages import Kind
 from .decode import PROMPT, START, STEPS, check_decoding, decode_protocol
 from .probe import BATCH, ModuleProbe, first_tensor
-from .record import Recorder
+from .record import Recorder, tensors_in
 from .report import CheckReport, ModelReport
 from .structure import attention_layers
 from .target import Target, call_safely
@@ -52,6 +52,11 @@ _ID_PASSING = {
     "t",
     "permute",
 }
+
+
+#: calls that shift ids along, with pads or others' ids beside them (Trax's ``ShiftRight``:
+#: a column of zeros put before the ids and the last one cut off): ids still
+_ID_JOINING = {"cat", "concat", "concatenate", "roll", "pad"}
 
 
 class _Found(Exception):
@@ -125,13 +130,9 @@ class _TableLookup(TorchFunctionMode):
             # (Praxis's ``w.t()[ids]``), cast or made contiguous
             self.tables.add(id(out))
             self.keep.append(out)
-        if (
-            name in _ID_PASSING
-            and args
-            and self._is_ids(args[0])
-            and isinstance(out, torch.Tensor)
-            and not out.is_floating_point()
-        ):
+        passed = name in _ID_PASSING and args and self._is_ids(args[0])
+        joined = name in _ID_JOINING and any(self._is_ids(t) for t in tensors_in(args))
+        if (passed or joined) and isinstance(out, torch.Tensor) and not out.is_floating_point():
             self.ids.add(id(out))
             self.keep.append(out)
         return out

@@ -41,7 +41,14 @@ from .dataflow import LAYOUT_OPS, Graph
 from .features import Unsupported, mask_shape, seen_keys
 from .judge import Call, Judge
 from .mistakes.projections import WRONG_CUTS
-from .qknorm import QKNorm, eps_on_path, gains_on_path, read_side
+from .qknorm import (
+    ContextNorm,
+    QKNorm,
+    eps_on_path,
+    gains_on_path,
+    read_context_norm,
+    read_side,
+)
 from .record import Op, Recorder, short_path, tensors_in
 from .reference import Spec, Weights, project, split
 from .report import CheckReport, single_head
@@ -349,6 +356,32 @@ def _alibi_like(bias: torch.Tensor, slopes: torch.Tensor) -> bool:
     rows = rest.masked_fill(~finite, float("nan"))
     spread = (rows.nan_to_num(0) - rows.nanmean(-1, keepdim=True).nan_to_num(0)).abs()
     return bool((spread.masked_fill(~finite, 0) < 1e-4 * (1 + e[finite].abs().amax())).all())
+
+
+def _context_norm(rec: Recorder, st: Structure) -> ContextNorm | None:
+    """The norm between the merged context and the output projection of ``st``: its
+    input is a tensor the norm's first op was made from, as wide as the projection reads
+    (the nearest first); its output, what the projection read."""
+    ops, graph = rec.ops, Graph(rec)
+    at, u_node = st.out_norm[0], st.out.input_node
+    d = st.out.w.shape[0]
+    u = ops[u_node].output
+    if u.shape[-1] != d:
+        return None
+    u = u.detach().double().reshape(-1, d)
+    # from the context on (the attention's own product or fused call)
+    made = [c.context or c.fused for c in st.cores]
+    start = max((op.index for op in made if op is not None), default=0)
+    before = sorted((i for i in graph.ancestors(at) - {at} if i >= start), reverse=True)
+    inputs = [
+        ops[i].output.detach().double().reshape(-1, d)
+        for i in before
+        if ops[i].output.numel() == u.numel() and ops[i].output.shape[-1] == d
+    ]
+    lo = min(before, default=at)
+    path = [ops[i] for i in sorted(graph.ancestors(u_node)) if i >= lo and ops[i].leaf is None]
+    gains = gains_on_path(ops, graph, path, {d})
+    return read_context_norm(inputs, u, gains, eps_on_path(ops, path))
 
 
 def _whole(rec: Recorder, graph: Graph, node: int, numel: int) -> torch.Tensor:
@@ -2297,6 +2330,38 @@ class ModuleProbe:
         self.notes.append(f"logit soft-capping at {declared:g} (attn_logit_softcapping)")
         return declared
 
+    def _out_norm(self) -> ContextNorm | None:
+        """The norm the layer applies to its merged heads before the output projection (a
+        sub-LayerNorm), read from a recorded call: which norm, its gain and shift are the
+        hypothesis that makes the projection's input from the merged context exactly; where
+        none does (a gate, a norm of another form) it stays a thing not modelled, which the
+        layer is refused for unless a known mistake explains its output."""
+        st = self.structure
+        if st is None or st.out_norm is None:
+            return None
+        if "out_norm" in self._cache:
+            return self._cache["out_norm"]
+        _, what, where = st.out_norm
+        found = None
+        call = self._rope_call()
+        if call is not None:
+            try:
+                seen = read_structure(call.record, self.module)
+            except (AttnScopeError, RuntimeError):
+                seen = None
+            if seen is not None and seen.out_norm is not None and seen.out is not None:
+                found = _context_norm(call.record, seen)
+        self._cache["out_norm"] = found
+        if found is None:  # left on the list of what is not modelled
+            return None
+        st.unmodelled = [(w, at) for w, at in st.unmodelled if w != what]
+        kind = "RMSNorm" if found.kind == "rms" else "LayerNorm"
+        self.notes.append(
+            f"a {kind} over the merged heads before the output projection read from the "
+            f"computation (at {where})"
+        )
+        return found
+
     def _declared_scale(self, head_dim: int) -> tuple[float | None, str]:
         """A scale the layer's (or its model's) configuration declares in place of
         1/sqrt(d_k): Gemma's ``query_pre_attn_scalar`` (scores times its 1/sqrt), Granite's
@@ -2375,6 +2440,7 @@ class ModuleProbe:
             heads = [1]
         out = []
         softcap = self._softcap()
+        out_norm = self._out_norm()
         for h in heads:
             scale, source = self._declared_scale(b.d_out // h)
             for w in b.candidates:
@@ -2396,6 +2462,7 @@ class ModuleProbe:
                     declared_scale=scale,
                     scale_source=source,
                     softcap=softcap,
+                    out_norm=out_norm,
                 )
                 out.append((w, spec))
         if not out:

@@ -17,7 +17,16 @@ import torch
 
 from .rotary import Tables, fit_tables
 
-__all__ = ["QKNorm", "NormSide", "normalise", "read_side", "gains_on_path", "eps_on_path"]
+__all__ = [
+    "QKNorm",
+    "ContextNorm",
+    "NormSide",
+    "normalise",
+    "read_side",
+    "read_context_norm",
+    "gains_on_path",
+    "eps_on_path",
+]
 
 T = torch.Tensor
 SCOPES = ("per-head", "full")
@@ -79,6 +88,41 @@ class QKNorm:
         else:
             normed = normalise(t, self.kind, self.eps)
         return _affine(normed, gain, bias, h)
+
+
+@dataclass(eq=False)
+class ContextNorm:
+    """A norm over the merged heads before the output projection (a sub-LayerNorm:
+    Kosmos-2's ``inner_attn_ln``, BitNet's ``attn_sub_norm``): ``kind`` rms or layer, the
+    gain and shift ``(d,)`` (``None``: 1 and 0), ``eps``."""
+
+    kind: str
+    gain: T | None = None
+    bias: T | None = None
+    eps: float = 1e-6
+
+    def apply(self, t: T) -> T:
+        """``(..., d)`` merged heads, normed."""
+        t = normalise(t, self.kind, self.eps)
+        t = t if self.gain is None else t * self.gain.reshape(-1)
+        return t if self.bias is None else t + self.bias.reshape(-1)
+
+
+def read_context_norm(
+    inputs: list[T], u: T, gains: list[tuple[T | None, T | None]], eps: float
+) -> ContextNorm | None:
+    """The norm that makes ``u`` ``(N, d)`` from one of ``inputs`` (each ``(N, d)``, the
+    tensors it may have been made from, nearest first), or None when none is exact."""
+    for c in inputs:
+        for gain, bias in gains:
+            for kind in KINDS:
+                norm = ContextNorm(kind, gain, bias, eps)
+                try:
+                    if _exact(norm.apply(c), u):
+                        return norm
+                except RuntimeError:  # a gain of another width
+                    continue
+    return None
 
 
 @dataclass

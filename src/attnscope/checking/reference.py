@@ -18,7 +18,7 @@ import torch
 
 from ..stages import Kind, Stage
 from .alibi import Alibi
-from .qknorm import QKNorm
+from .qknorm import ContextNorm, QKNorm
 from .rotary import Rope
 
 __all__ = [
@@ -69,6 +69,8 @@ class Spec:
     #: logit soft-capping the layer declares (Gemma 2): ``cap * tanh(logits / cap)`` on the
     #: scaled (and biased) scores, before the mask
     softcap: float | None = None
+    #: a norm over the merged heads before the output projection (a sub-LayerNorm)
+    out_norm: ContextNorm | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind.of(self.kind))
@@ -373,6 +375,8 @@ def _output(st: dict[str, T], spec: Spec, w: Weights | None, mut: Mutation, sub)
         h = vh.shape[1]
         context = context.reshape(h, b, n, -1).transpose(0, 1)
     out = mut.merge(context) if mut.merge else merge(context)
+    if spec.has_out and spec.out_norm is not None:
+        out = spec.out_norm.apply(out)
     if spec.has_out and not mut.skip_out:
         out = _lin(out, w.o, w.bo)
     if mut.swap_batch:

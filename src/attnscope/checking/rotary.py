@@ -46,6 +46,10 @@ class Rope:
     #: ("q" or "k", factor): that side's positions times ``factor`` against the other's
     #: (a position scaling applied to one side only); None where both sides agree
     scaled_side: tuple[str, float] | None = field(default=None, compare=False)
+    #: (("q" or "k", positions), ...): a side whose angles are position x frequency at
+    #: positions that are no run (a ring buffer's ``pos % window``, positions restarting
+    #: each patch), as its tables show them on the probe's tokens
+    read_positions: tuple[tuple[str, tuple[float, ...]], ...] = field(default=(), compare=False)
 
     @property
     def rot(self) -> int:
@@ -425,6 +429,24 @@ def read_side(tables: Tables, layout: str) -> tuple[SideReading, T | None]:
     return SideReading(tables, True, offset, linear), freqs
 
 
+def positions_of(ang: T, freqs: T) -> T | None:
+    """The position of each row of angles ``(T, r)`` turned by ``freqs`` ``(r,)``: the
+    slowest pair that turns says roughly where (less than half a turn in), each faster one
+    pins it closer; None unless one position explains every pair of a row."""
+    order = [j for j in torch.argsort(freqs.abs()).tolist() if abs(freqs[j].item()) > 1e-4]
+    if not order:
+        return None
+    wrap = lambda a: torch.remainder(a + math.pi, 2 * math.pi) - math.pi  # noqa: E731
+    pos = wrap(ang[:, order[0]]) / freqs[order[0]]
+    for j in order[1:]:
+        f = freqs[j]
+        turns = torch.round((pos * f - ang[:, j]) / (2 * math.pi))
+        pos = (ang[:, j] + 2 * math.pi * turns) / f
+    if (wrap(pos[:, None] * freqs - ang).abs() > 1e-3).any():
+        return None
+    return pos
+
+
 def _by_position(t: Tables | None) -> Tables | None:
     """Tables of each sequence (:attr:`Tables.per_sequence`) as one table whose rows are
     positions: the first sequence's, where every sequence turns by the same frequencies
@@ -514,6 +536,21 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
                 freqs = sides_read[plain]
                 other = "k" if plain == "q" else "q"
                 scaled_side = (other, r if other == "q" else 1 / r)
+    # a side whose rows are no run of positions, read position by position against the
+    # frequencies (a side that counts on, where there is one)
+    at: list[tuple[str, tuple[float, ...]]] = []
+    for role, (side, _) in read.items():
+        if side.linear:
+            continue
+        pos = positions_of(side.tables.angles(layout).to(torch.float64), freqs)
+        if pos is not None:
+            at.append((role, tuple(round(p, 4) + 0.0 for p in pos.tolist())))
     return Rope(
-        layout, tuple(float(f) for f in freqs), head_dim, offsets, reading.linear, scaled_side
+        layout,
+        tuple(float(f) for f in freqs),
+        head_dim,
+        offsets,
+        reading.linear,
+        scaled_side,
+        tuple(at),
     )

@@ -148,6 +148,31 @@ def _rope_positions(c: Context) -> list[Mutation]:
             )
         )
 
+    read = dict(rope.read_positions)
+    if read:
+        # the positions the tables show on a side that does not count 0, 1, 2, ... (a ring
+        # buffer's slot, positions restarting each patch): that side rotated at them
+        both = set(read) == {"q", "k"} and read["q"] == read["k"]
+
+        def at_read(r, t):
+            pos = read.get(r)
+            if pos is None or len(pos) < t.shape[-2]:
+                return rope.rotate(t)
+            positions = torch.tensor(pos[: t.shape[-2]], dtype=torch.float64)
+            return rope.rotate(t, positions=positions)
+
+        role = "q" if "q" in read else "k"
+        shown = ", ".join(f"{p:g}" for p in read[role][:10])
+        side = "queries and keys" if both else "queries" if role == "q" else "keys"
+        out.append(
+            Mutation(
+                "rope_positions",
+                Stage.ROTATED_QUERIES if role == "q" else Stage.ROTATED_KEYS,
+                f"the {side} rotated at positions {shown}, ... (not 0, 1, 2, ...)",
+                rotate=at_read,
+            )
+        )
+
     def at_last(r, t):
         if r != "q":
             return rope.rotate(t)

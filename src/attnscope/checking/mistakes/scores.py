@@ -285,9 +285,30 @@ def with_scale(m: Mutation, value: float, text: str) -> Mutation:
 def _missing_scale(c: Context) -> list[Mutation]:
     if c.spec.simplified:  # the book's simplified attention has no scaling at all
         return []
-    return [
+    out = [
         Mutation("missing_scale", Stage.SCALED_SCORES, "no scaling", scale=1.0, facts={"c": 1.0})
     ]
+    alibi = c.spec.alibi
+    if alibi is not None and not alibi.before_scale:
+        # bias.baddbmm(q, k, beta=scale, alpha=1) for beta=1, alpha=scale: the factor
+        # lands on the position bias, the scores go unscaled
+        factor = c.spec.scale
+        out.append(
+            Mutation(
+                "missing_scale",
+                Stage.SCALED_SCORES,
+                "no scaling of the scores, the scale applied to the position bias instead "
+                "(baddbmm's beta and alpha swapped?)",
+                scale=1.0,
+                bias=lambda h, n: _scaled_bias(alibi.bias(h, n), factor),
+                facts={"c": 1.0},
+            )
+        )
+    return out
+
+
+def _scaled_bias(bias, factor: float):
+    return None if bias is None else bias * factor
 
 
 def _wrong_scale_expected(s: Spec) -> str:
