@@ -2,7 +2,11 @@
 positions that are no run (a ring buffer's slot), positions restarting each patch on both
 sides; a scale landed on the ALiBi bias instead of the scores (baddbmm's beta and alpha
 swapped); a norm over the merged heads before the output projection (a sub-LayerNorm);
-a model that shifts its token ids right before looking them up."""
+a model that shifts its token ids right before looking them up. And of round 29 and m22:
+q, k and v side by side in every column triple; attention on blocks of the tokens; an
+RMSNorm written with ``F.normalize``; the future split off an ALiBi mask and zeroed after
+the softmax; a 0/1 mask added; a decoding step that writes its key into a copy, or scores
+the cached keys apart from its own."""
 
 from __future__ import annotations
 
@@ -213,3 +217,243 @@ def test_ids_shifted_right_before_the_lookup_are_still_token_ids():
     report = check(_ShiftedIds)
     assert report.ok, report.to_text(color=False)
     assert [p for p, _ in report.layers] == ["attn"]
+
+
+# ---------------------------------------------------------------- round 29 and m22
+
+
+class _Woven(nn.Module):
+    """alpa's OPT: one combined projection viewed ``(b, s, heads, head_dim, 3)`` and
+    unbound on the last axis; ``swapped``: the scores' einsum takes keys times queries."""
+
+    def __init__(self, swapped=False):
+        super().__init__()
+        torch.manual_seed(32)
+        self.swapped = swapped
+        self.qkv, self.dense = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 4, 16, 3).unbind(-1)
+        q = q / 4.0
+        spec = "bkhd,bqhd->bhqk" if self.swapped else "bqhd,bkhd->bhqk"
+        s = torch.einsum(spec, q, k)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        y = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(b, n, 64)
+        return self.dense(y)
+
+
+def test_q_k_v_side_by_side_in_every_column_triple_is_a_layout():
+    """Each role's heads are every third column: the layout the computation cuts, read as
+    it is (it was queries/other in every layer); keys times queries is named."""
+    report = check(_Woven, kind="causal-multihead")
+    assert report.ok, report.to_text(color=False)
+    bad = check(lambda: _Woven(swapped=True), kind="causal-multihead")
+    assert outcome(bad) == ("scores", "scores_transposed"), bad.to_text(color=False)
+
+
+class _Blocks(nn.Module):
+    """Attention computed separately in blocks of the tokens (TRELLIS's shifted windows)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(33)
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        qkv = self.qkv(x).view(b, n, 3, 4, 16)
+        outs = []
+        for lo in range(0, n, 4):
+            q, k, v = qkv[:, lo : lo + 4].permute(2, 0, 3, 1, 4)
+            outs.append(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2))
+        return self.out(torch.cat(outs, 1).reshape(b, n, 64))
+
+
+def test_attention_on_blocks_of_the_tokens_is_refused_not_judged():
+    """A correct layer of a kind the reference does not model had been failed at
+    `queries`/`other`: now refused, naming the blocks."""
+    with pytest.raises(AttnScopeError, match="blocks of the tokens"):
+        check(_Blocks, kind="multihead")
+
+
+class _NormalizeRMS(nn.Module):
+    """TRELLIS's MultiHeadRMSNorm, ``F.normalize(x) * gamma * sqrt(d)``, on queries and
+    keys; ``scale``: the scores' factor; ``cosine``: no ``sqrt(d)`` (cosine attention, a
+    learned temperature of 10 instead of a scale)."""
+
+    def __init__(self, scale=0.25, cosine=False):
+        super().__init__()
+        torch.manual_seed(34)
+        self.scale, self.cosine = scale, cosine
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+        self.gq = nn.Parameter(torch.empty(4, 16).uniform_(0.5, 1.5))
+        self.gk = nn.Parameter(torch.empty(4, 16).uniform_(0.5, 1.5))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 16).unbind(2)
+        if self.cosine:
+            q, k = nn.functional.normalize(q, dim=-1), nn.functional.normalize(k, dim=-1)
+        else:
+            q = nn.functional.normalize(q, dim=-1) * self.gq * 4.0
+            k = nn.functional.normalize(k, dim=-1) * self.gk * 4.0
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        s = q @ k.transpose(-2, -1) * (10.0 if self.cosine else self.scale)
+        return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 64))
+
+
+def test_an_rms_norm_written_with_normalize_is_no_cosine_attention():
+    """Unit length times sqrt(d) is an RMSNorm: a wrong scale after it is named (it was
+    refused as cosine attention); its structure has no rotation read from float32 noise;
+    true cosine attention with a temperature of its own is still refused."""
+    ok = check(_NormalizeRMS, kind="multihead")
+    assert ok.ok and ok.structure["qk_norm"] == "per-head", ok.to_text(color=False)
+    assert ok.structure["rope"] is None
+    bad = check(lambda: _NormalizeRMS(scale=1 / 16), kind="multihead")
+    assert outcome(bad) == ("scaled_scores", "wrong_scale"), bad.to_text(color=False)
+    with pytest.raises(AttnScopeError, match="cosine"):
+        check(lambda: _NormalizeRMS(cosine=True), kind="multihead")
+
+
+class _AlibiSplit(nn.Module):
+    """Baichuan's ALiBi: one mask of key-position biases and -inf future; ``after``: the
+    future split off it with ``isinf`` and zeroed after the softmax instead."""
+
+    def __init__(self, after=False):
+        super().__init__()
+        torch.manual_seed(35)
+        self.after = after
+        self.W_pack, self.o_proj = nn.Linear(64, 192, bias=False), nn.Linear(64, 64)
+        self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, 5) / 4))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.W_pack(x).view(b, n, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        bias = self.slopes[:, None, None] * torch.arange(n)[None, None, :]
+        mask = bias.expand(4, n, n).masked_fill(
+            torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")
+        )
+        s = q @ k.transpose(-2, -1) / 4.0
+        if self.after:
+            future = torch.isinf(mask)
+            w = (s + mask.masked_fill(future, 0.0)).softmax(-1).masked_fill(future, 0.0)
+        else:
+            w = (s + mask).softmax(-1)
+        return self.o_proj((w @ v).transpose(1, 2).reshape(b, n, 64))
+
+
+def test_the_future_split_off_an_alibi_mask_and_zeroed_after_the_softmax():
+    assert check(_AlibiSplit, kind="causal-multihead").ok
+    bad = check(lambda: _AlibiSplit(after=True), kind="causal-multihead")
+    assert outcome(bad) == ("weights", "mask_after_softmax"), bad.to_text(color=False)
+
+
+class _ZeroOneMask(nn.Module):
+    """fish-speech's boolean tril cast to the activations' dtype and passed to SDPA, which
+    adds it: 1 where a key is seen, 0 where hidden."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(36)
+        self.wqkv, self.wo = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.wqkv(x).view(b, n, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(n, n, dtype=torch.bool).tril().to(x.dtype)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(b, n, 64))
+
+
+def test_a_zero_one_triangle_added_is_a_causal_mask_with_the_wrong_fill_when_inferred():
+    """With the kind inferred it had been an encoder failing at the context; the triangle
+    of two finite values says decoder, and the fill is named."""
+    report = check(_ZeroOneMask)
+    assert report.kind == "causal-multihead", report.kind_reason
+    assert outcome(report) == ("masked_scores", "mask_fill_value"), report.to_text(color=False)
+
+
+class _BufferLM(nn.Module):
+    """A model with its cache in its layers' buffers (the book's protocol); ``slip``:
+    "copy": a step writes its key and value into a copy of the buffers and reads the
+    buffers; "apart": a step scores the cached keys apart from its own, with a window of
+    2 the full pass has and the step's mask forgets."""
+
+    def __init__(self, slip=None):
+        super().__init__()
+        torch.manual_seed(37)
+        self.emb, self.head = nn.Embedding(40, 32), nn.Linear(32, 40)
+        self.layers = nn.ModuleList(_BufferLayer(slip) for _ in range(2))
+
+    def reset_kv_cache(self):
+        for layer in self.layers:
+            layer.past = 0
+
+    def forward(self, ids, use_cache=False):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = h + layer(h, use_cache)
+        return self.head(h)
+
+
+class _BufferLayer(nn.Module):
+    def __init__(self, slip):
+        super().__init__()
+        self.slip, self.past = slip, 0
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.register_buffer("k_cache", torch.zeros(4, 4, 64, 8), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(4, 4, 64, 8), persistent=False)
+
+    def forward(self, x, use_cache):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        past = self.past if use_cache else 0
+        window = 2 if self.slip == "apart" else None
+        if use_cache and past and self.slip == "apart":
+            # NxDI's token generation: the whole preallocated cache, every slot written
+            # before this step seen (the window forgotten: the slip), its own key apart
+            prior_k, prior_v = self.k_cache[:b], self.v_cache[:b]
+            written = torch.arange(prior_k.shape[2]) < past
+            prior = q @ prior_k.transpose(-2, -1) / math.sqrt(8)
+            prior = prior.masked_fill(~written, torch.finfo(prior.dtype).min)
+            own = q @ k.transpose(-2, -1) / math.sqrt(8)
+            top = torch.maximum(prior.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
+            e_prior, e_own = (prior - top).exp(), (own - top).exp()
+            denom = e_prior.sum(-1, keepdim=True) + e_own.sum(-1, keepdim=True)
+            y = (e_prior / denom) @ prior_v + (e_own / denom) @ v
+            # the cache updated after the step, as NxDI's manager does
+            self.k_cache[:b, :, past : past + n] = k
+            self.v_cache[:b, :, past : past + n] = v
+            self.past = past + n
+            return self.o(y.transpose(1, 2).reshape(b, n, 32))
+        if use_cache:
+            target_k, target_v = self.k_cache, self.v_cache
+            if past and self.slip == "copy":
+                target_k, target_v = self.k_cache.clone(), self.v_cache.clone()
+            target_k[:b, :, past : past + n] = k
+            target_v[:b, :, past : past + n] = v
+            k, v = self.k_cache[:b, :, : past + n], self.v_cache[:b, :, : past + n]
+            self.past = past + n
+        total = k.shape[2]
+        i = torch.arange(n)[:, None] + past
+        j = torch.arange(total)[None, :]
+        seen = j <= i
+        if window is not None:
+            seen = seen & (i - j < window)
+        s = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(~seen, float("-inf"))
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+@pytest.mark.parametrize("slip,code", [("copy", "cache_stale"), ("apart", "cache_mask")])
+def test_a_step_that_writes_a_copy_or_scores_the_cache_apart_is_named(slip, code):
+    """A step whose queries meet only keys nothing of it reached is the cache not updated
+    (it had been named cache_mask); a step that scores the cached keys apart from its own,
+    with the same keys, and differs, is the mask (it had been cache_stale, from its own
+    key alone)."""
+    assert check(_BufferLM).ok
+    report = check(lambda: _BufferLM(slip))
+    assert report.decode is not None, report.to_text(color=False)
+    assert (report.decode.mistake, report.decode.step) == (code, 0), report.to_text(color=False)
+    # the evidence named: the product that meets keys made without the step's token
+    assert "without it" in report.decode.message or "apart" in report.decode.message

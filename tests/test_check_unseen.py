@@ -21,6 +21,11 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 29's first run (commit e6ed9c7)
+    "r29/b06_pico_sdpa_is_causal_dropped": (
+        "inferred",
+        "is_causal dropped and no mask: with the kind inferred nothing it computes says decoder",
+    ),
     # round 28's first run (commit 548e35e)
     "r28/b20_decilm_causal_mask_only_with_padding": (
         "inferred",
@@ -93,11 +98,6 @@ _OPEN = {
     "r15/b16_gemma3_vmap_layer_type_string": "a window declared in the config's layer_types "
     "and never applied, because the layer compares its type with a misspelt string: a global "
     "layer of the same config computes the same (passed as correct)",
-    "r15/b19_onnx_qwen2_bool_mask_added_as_float": (
-        "inferred",
-        "a 0/1 mask added as floats hides nothing: with the kind inferred it is an encoder "
-        "whose scores have something added (scores/not_dot_product)",
-    ),
     "r15/c05_moonshine_decoder_encoder_attn": "a decoder block holding self- and "
     "cross-attention: the first layer is checked (and, with --kind cross, refused naming the "
     "cross layer)",
@@ -271,6 +271,8 @@ _FEATURE_WORDS = {
     "context_norm": "norm",
     "differential": "two softmax",
     "rope_subset_heads": "rotary",
+    "windowed_blocks": "blocks of the tokens",
+    "sink_window_mask": "mask of another pattern",
     "null_kv": "key/value rows joined",
 }
 

@@ -236,12 +236,23 @@ def _traced(st: Structure, w: T, b: T | None) -> list:
     """One combined qkv weight cut where the computation's own layout calls cut it
     (:attr:`Structure.cuts`), where that cut is a published convention no guess covers:
     model-parallel chunks (2 or more, whole heads each) of ``[q|k|v]`` or ``[q|v|k]``
-    blocks, as CodeGen's ``mp_num`` chunks are ``[q|v|k]``. Roles in another order
+    blocks, as CodeGen's ``mp_num`` chunks are ``[q|v|k]``; q, k and v side by side in
+    every column triple (alpa's ``(heads, head_dim, 3)``). Roles in another order
     (keys cut where the values are) stay the mistake they are."""
     cuts, total, hd = st.cuts, w.shape[1], st.head_dim or 0
     if cuts is None or not hd or total % 3:
         return []
     width = total // 3
+    # the roles side by side in every column triple, (heads, head_dim, 3) as alpa's OPT
+    # cuts its combined projection: read q, k, v in that order (the operands that take
+    # them in another are the mistake the judge names)
+    woven = torch.arange(total).view(width, 3)
+    taken = sorted(
+        next((i for i in range(3) if torch.equal(cuts[r], woven[:, i])), -1) for r in "qkv"
+    )
+    if taken == [0, 1, 2]:
+        parts = tuple((w[:, woven[:, i]], _cut(b, woven[:, i])) for i in range(3))
+        return [(parts, "q, k, v side by side in each column triple (heads, head_dim, 3)")]
     for c in range(2, width // hd + 1):
         if width % (c * hd):
             continue

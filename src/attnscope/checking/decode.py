@@ -44,6 +44,7 @@ from torch import nn
 
 from ..errors import AttnScopeError
 from .compare import close
+from .dataflow import Graph
 from .probe import first_tensor
 from .record import Op, Recorder, short_path
 
@@ -682,6 +683,10 @@ class _Evidence:
         self.cache_seen = False
         self.made_before: list[torch.Tensor] = []
         self.kept: list[torch.Tensor] = []  # what the cache keeps after the step
+        #: the line where the step's queries meet keys made without the new token (the
+        #: cached keys scored apart from the new one, or a cache read with nothing of this
+        #: step written into it), or None
+        self.apart: str | None = None
 
     def operands(self):
         """``((keys, values, where), (keys, values, where))``: full pass, cached step; None
@@ -714,6 +719,7 @@ class _Evidence:
         self.cache_seen = _cache_seen(rec, self.model, pos)
         self.made_before = _made_before(rec, self.model)
         self.kept = _kept(drive, self.model)
+        self.apart = _scores_of_unwritten_keys(rec, self.path)
         return full, _layer_operands(rec, self.model, self.path)
 
 
@@ -836,6 +842,40 @@ def _layer_operands(rec: Recorder, model: nn.Module, path: str):
             q, k, v = (rec.ops[n] for n in (core.q_node, core.k_node, core.v_node))
             lines = (k.location, _mask_line(rec, op, span), q.location)
             return k.output.detach(), v.output.detach(), lines, q.output.detach()
+    return None
+
+
+#: products the scores are made with
+_PRODUCTS = {"matmul", "__matmul__", "bmm", "einsum"}
+
+
+def _scores_of_unwritten_keys(rec: Recorder, path: str) -> str | None:
+    """The line of a product inside the layer ``path`` whose one operand is made from the
+    step's token (its queries) and whose other is not (keys read from a cache that nothing
+    of this step reached: the new token's key and value not written, or written to a copy;
+    or the cached keys scored apart from the new one, as NxDI's token generation does), on
+    the way to a softmax (or the ``exp`` of one written out); None where there is none."""
+    g = Graph(rec)
+    spans = [c for c in rec.modules if c.path == path]
+    if not spans:
+        return None
+    span = spans[0]
+    for op in rec.ops[span.start : span.end]:
+        if op.name not in _PRODUCTS:
+            continue
+        tensors = [a for a in op.args if rec.ops[a].output.is_floating_point()]
+        if len(tensors) != 2 or g.tainted[tensors[0]] == g.tainted[tensors[1]]:
+            continue
+        other = next(a for a in tensors if not g.tainted[a])
+        if g.param[other] or rec.ops[other].output.dim() < 3:
+            continue  # a weight, not keys
+        later = rec.ops[op.index + 1 : span.end]
+        reach = {op.index}
+        for nxt in later:
+            if any(a in reach for a in nxt.args):
+                reach.add(nxt.index)
+                if nxt.name in ("softmax", "_softmax", "log_softmax", "exp"):
+                    return op.location
     return None
 
 
@@ -987,6 +1027,14 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
     holds = held == [pos] and (
         evidence.cache_seen or _cache_holds(evidence.made_before, fk, _token_axis(ck, fk, 1), pos)
     )
+    if missing and held == [pos] and evidence.apart is not None:
+        return (
+            "cache_mask",
+            "the new token's own key is scored apart from the cached ones (at "
+            f"{evidence.apart}), and with the same input its output differs from the full "
+            "pass: the mask over the cached keys shows it too many or too few",
+            evidence.apart,
+        )
     if missing and holds:
         return (
             "cache_mask",
@@ -1136,6 +1184,15 @@ def _name(
         named = _from_rows(evidence, pos, step)
         if named is not None:
             return named
+    if same_input and evidence.apart is not None and evidence.operands() is None:
+        # no product of the new token's query with its own key at all
+        return (
+            "cache_stale",
+            "the new token's query meets only keys made without it: the step reads a cache "
+            "that nothing of this step was written into (its key and value not stored, or "
+            "stored in a copy?)",
+            evidence.apart,
+        )
     if same_input and step == 0:
         return (
             "cache_mask",

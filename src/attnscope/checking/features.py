@@ -143,6 +143,22 @@ def tokens_last(hidden: T) -> T:
     return hidden.movedim((0, 1), (-2, -1))
 
 
+def _lower_triangle_kept(t: T) -> T | None:
+    """Where a mask of two finite values (a boolean tril cast to floats and added: 1 where
+    a key is seen, 0 where hidden) gives the lower one, when those cells are exactly the
+    keys after each query: a causal mask filled with the wrong value (the judge names it);
+    None otherwise."""
+    if t.dim() < 2 or t.shape[-1] != t.shape[-2] or t.shape[-1] < 2:
+        return None
+    values = torch.unique(t)
+    if values.numel() != 2:
+        return None
+    low = t == values[0]
+    n = t.shape[-1]
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    return low if bool((low == future).all()) else None
+
+
 def causal_chunks(hidden: T) -> int | None:
     """The chunk size ``c`` of a causal mask within chunks (Llama 4's chunked attention:
     query ``i`` sees key ``j`` where ``j <= i`` and ``i // c == j // c``), or None."""
@@ -885,6 +901,9 @@ class Features:
             # the cells a mask hides, filled with a huge positive value: a mask with its sign
             # flipped (``-finfo.min``) is still where the layer masks (the judge names it)
             return self._judge_hidden(t64 > 1e4, "an additive mask of huge positive values")
+        low = _lower_triangle_kept(t64) if not bool(hidden.any()) else None
+        if low is not None:
+            return self._judge_hidden(low, "an additive mask of two finite values")
         return self._judge_hidden(hidden, "an additive mask")
 
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
@@ -951,7 +970,12 @@ class Features:
                     self.s.bias = BiasSeen(
                         mask.detach(), tuple(op.output.shape[:-1]) + (mask.shape[-1],), op.location
                     )
-                found = self._judge_hidden(~torch.isfinite(m) | (m < -1e4), "an additive attn_mask")
+                hides = ~torch.isfinite(m) | (m < -1e4)
+                low = _lower_triangle_kept(m) if not bool(hides.any()) else None
+                found = self._judge_hidden(
+                    hides if low is None else low,
+                    "an additive attn_mask" + ("" if low is None else " of two finite values"),
+                )
             if found is not None:
                 kind, detail = found
                 if kind == "band":

@@ -358,6 +358,24 @@ def _alibi_like(bias: torch.Tensor, slopes: torch.Tensor) -> bool:
     return bool((spread.masked_fill(~finite, 0) < 1e-4 * (1 + e[finite].abs().amax())).all())
 
 
+def _token_blocks(st: Structure, tokens: int) -> tuple[str, str | None] | None:
+    """Attention computed on blocks of a sequence's tokens, a computation for each
+    (TRELLIS's windows, block-sparse attention: each query sees only the keys of its
+    block), as what the reference does not model, with its line; None otherwise. Loops
+    over heads, sequences or requests compute on all of a sequence's tokens each."""
+    made = [c.fused or c.context or c.score for c in st.cores]
+    sizes = [op.output.shape[-2] for op in made if op is not None and op.output.dim() >= 2]
+    if len(sizes) < 2 or len(sizes) != len(st.cores) or max(sizes) >= tokens:
+        return None
+    where = made[0].location
+    return (
+        f"attention computed separately on blocks of the tokens ({len(sizes)} computations "
+        f"of {min(sizes)} to {max(sizes)} of {tokens} tokens: windowed or block attention, "
+        "each query seeing only the keys of its block?)",
+        where,
+    )
+
+
 def _context_norm(rec: Recorder, st: Structure) -> ContextNorm | None:
     """The norm between the merged context and the output projection of ``st``: its
     input is a tensor the norm's first op was made from, as wide as the projection reads
@@ -578,6 +596,8 @@ class ModuleProbe:
         self._hf_rotary: nn.Module | None = None
         self._hf_layer_type: str | None = None
         self._rope_probe: list[Call] | None = None
+        self._discovery_tokens = 0  # the tokens of the call the structure was read from
+        self._rms_exactly = False  # the QK norm read is an RMSNorm with no factor left over
         self.cross = False  # keys and values from another sequence (a second input)
         self._second_read = False
         self._context_width = 0
@@ -602,6 +622,9 @@ class ModuleProbe:
             return self._run_weightless()
         st = self._discover()
         self.structure = st
+        blocks = _token_blocks(st, self._discovery_tokens)
+        if blocks is not None:
+            st.unmodelled.append(blocks)
         self._look_for_window(st)
         if st.pre:
             what = ", ".join(dict.fromkeys(op.name for op in st.pre))
@@ -687,7 +710,7 @@ class ModuleProbe:
         attention's structure from that call."""
         if self.host is not None:
             return self._discover_in_model()
-        tokens = self._tokens(None)
+        tokens = self._discovery_tokens = self._tokens(None)
         errors: list[str] = []
         widths = self._widths()
         # a second required input (cross-attention?): another sequence, of any width
@@ -972,7 +995,7 @@ class ModuleProbe:
     def _discover_in_model(self) -> Structure:
         """A layer of a model: where it takes its hidden states (found on a run of the
         model), then its structure from its own computation, run where it sits."""
-        tokens = self._tokens(None)
+        tokens = self._discovery_tokens = self._tokens(None)
         got = self.host.arguments(self.module, BATCH, tokens)
         if isinstance(got, str):
             raise AttnScopeError(f"{self.tgt.text}: the model raised before the layer: {got}")
@@ -2480,12 +2503,16 @@ class ModuleProbe:
         st = self.structure
         if st is None or not (st.rotary or st.qk_norm):
             return options
-        kept = []
+        kept, exact = [], []
         for w, spec in options:
+            self._rms_exactly = False
             read = self._read_modern(spec, w)
             if read is not None:
                 rope, norm = read
                 kept.append((w, dataclasses.replace(spec, rope=rope, qk_norm=norm)))
+                exact.append(norm is not None and self._rms_exactly)
+        if exact and exact[0]:
+            st.unmodelled = [u for u in st.unmodelled if not u[0].startswith("cosine attention")]
         if not kept:
             what, where = next(iter({**st.qk_norm, **st.rotary}.values()))
             if st.unmodelled:
@@ -2619,6 +2646,11 @@ class ModuleProbe:
             first = next((s for s in normed if not s.misplaced), normed[0])
             gain = {r: (s.gain, s.bias) if s.normed else (None, None) for r, s in sides.items()}
             norm = QKNorm(first.scope, first.kind, *gain["q"], *gain["k"], eps=eps)
+            # an RMSNorm exactly, with no factor of its own left over: F.normalize times
+            # sqrt(d) (TRELLIS's MultiHeadRMSNorm) is that, not cosine attention's unit length
+            self._rms_exactly = all(
+                s.kind == "rms" and abs(s.tables.scale - 1) < 1e-3 for s in normed
+            )
         elif st.qk_norm:
             return None
         return rope, norm

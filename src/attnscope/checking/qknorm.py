@@ -263,13 +263,16 @@ def gains_on_path(ops, graph, path: list, widths: set[int]) -> list[tuple[T | No
 
 
 def eps_on_path(ops, path: list) -> float:
-    """The epsilon a norm on the path adds under its square root (1e-6 where none is read)."""
+    """The epsilon a norm on the path adds under its square root (1e-6 where none is read;
+    none for ``F.normalize``, whose clamp of the norm at 1e-12 leaves any real vector be)."""
     for op in path:
         if op.name in ("layer_norm", "rms_norm"):
             args = list(op.call_args) + [None] * 5
             eps = op.call_kwargs.get("eps", args[4] if op.name == "layer_norm" else args[3])
             if isinstance(eps, float):
                 return eps
+        if op.name == "normalize":  # F.normalize clamps the norm at 1e-12: no epsilon
+            return 0.0
         if op.name == "rsqrt" and op.args:
             inner = ops[op.args[0]]
             for v in list(inner.call_args) + list(inner.call_kwargs.values()):

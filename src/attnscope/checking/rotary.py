@@ -498,6 +498,10 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
     layout = pick.pairing if pick.is_rotation() else pick.laid_out_for()
     if layout is None:
         return None
+    if all(float(t.angles(layout).abs().amax()) < 1e-4 for t in rotated):
+        # turned by less than float32 noise (a norm's epsilon against F.normalize's): no
+        # rotation at all
+        return None
     reading, freqs = read_side(pick, layout)
     if freqs is None:
         return None

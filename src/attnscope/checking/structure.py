@@ -176,6 +176,17 @@ def _product_sides(g: Graph, op: Op) -> tuple[int, int, int] | None:
     return na, nb, size
 
 
+def _whole_heads(cut: T, head_dim: int) -> bool:
+    """Whether the columns ``cut`` reads are heads of ``head_dim`` adjacent columns each,
+    heads in order (no head cut across the features)."""
+    heads = cut.view(-1, head_dim) if cut.numel() % head_dim == 0 else None
+    if heads is None or not torch.equal(
+        heads - heads[:, :1], torch.arange(head_dim).expand_as(heads)
+    ):
+        return False
+    return heads.shape[0] < 2 or bool((heads[1:, 0] > heads[:-1, 0]).all())
+
+
 def _swapped(obj, swap: dict[int, T]):
     """A call's arguments with the tensors in ``swap`` (by id) replaced."""
     if isinstance(obj, torch.Tensor):
@@ -693,14 +704,15 @@ class _Reader:
         whole = torch.cat(list(cuts.values()))
         if not torch.equal(whole.sort().values, torch.arange(width)):
             return None
-        for cut in cuts.values():
-            heads = cut.view(-1, head_dim) if cut.numel() % head_dim == 0 else None
-            if heads is None or not torch.equal(
-                heads - heads[:, :1], torch.arange(head_dim).expand_as(heads)
-            ):
-                return None
-            if heads.shape[0] > 1 and not bool((heads[1:, 0] > heads[:-1, 0]).all()):
-                return None
+        # the roles side by side in each column (alpa's (heads, head_dim, 3)): each role's
+        # columns every n-th, at an offset of its own; its heads judged within its share
+        n = len(cuts)
+        apart = {int(c[0]) % n for c in cuts.values()}
+        woven = len(apart) == n and all(bool((c % n == c[0] % n).all()) for c in cuts.values())
+        if not all(_whole_heads(c, head_dim) for c in cuts.values()) and not (
+            woven and all(_whole_heads(c // n, head_dim) for c in cuts.values())
+        ):
+            return None
         return cuts if n_rows else None
 
     def _traced(self, start: int, node: int, width: int | None) -> T | None:

@@ -130,6 +130,25 @@ def _mask_after_softmax(c: Context) -> list[Mutation]:
                 after_softmax=lambda t: t.masked_fill(window_hide(t.shape[-1], w), 0.0),
             )
         )
+    alibi = c.spec.alibi
+    if alibi is not None:
+        # the future split off a combined ALiBi-and-causal mask (Baichuan's ``isinf``):
+        # the later keys' scores go into the softmax with no bias, then are zeroed
+        def unbiased_future(h, n):
+            b = alibi.bias(h, n)
+            return None if b is None else b.masked_fill(causal_hide(n), 0.0)
+
+        out.append(
+            Mutation(
+                "mask_after_softmax",
+                _W,
+                "weights zeroed above the diagonal after the softmax, rows not renormalised "
+                "(the later keys' scores taken in without their position bias)",
+                mask=lambda s: s,
+                after_softmax=lambda w: w.masked_fill(causal_hide(w.shape[-1]), 0.0),
+                bias=unbiased_future,
+            )
+        )
     return out + [
         Mutation(
             "mask_after_softmax",
