@@ -6,11 +6,15 @@ a model that shifts its token ids right before looking them up. And of round 29 
 q, k and v side by side in every column triple; attention on blocks of the tokens; an
 RMSNorm written with ``F.normalize``; the future split off an ALiBi mask and zeroed after
 the softmax; a 0/1 mask added; a decoding step that writes its key into a copy, or scores
-the cached keys apart from its own."""
+the cached keys apart from its own. And of round 30 and m23: a mask broadcast between the
+query and key axes, or in a layout not read; a cross layer's norm on its queries' side;
+a window in keys beside the pair converted from it; heads cut wrongly after a full-width
+norm; clipped projections; a decoding divergence a non-causal layer explains."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -442,7 +446,8 @@ class _BufferLayer(nn.Module):
         if window is not None:
             seen = seen & (i - j < window)
         s = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(~seen, float("-inf"))
-        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
+        w = s.softmax(-2 if getattr(self, "leak", False) else -1)
+        return self.o((w @ v).transpose(1, 2).reshape(b, n, 32))
 
 
 @pytest.mark.parametrize("slip,code", [("copy", "cache_stale"), ("apart", "cache_mask")])
@@ -457,3 +462,190 @@ def test_a_step_that_writes_a_copy_or_scores_the_cache_apart_is_named(slip, code
     assert (report.decode.mistake, report.decode.step) == (code, 0), report.to_text(color=False)
     # the evidence named: the product that meets keys made without the step's token
     assert "without it" in report.decode.message or "apart" in report.decode.message
+
+
+# ---------------------------------------------------------------- round 30 and m23
+
+
+class _PenzaiMask(nn.Module):
+    """penzai's scores laid out ``(b, s, kv_heads, q_rep, t)``, a causal window of 4 applied
+    by ``torch.where`` with a mask ``(b, s, 1, 1, t)``; ``layout``: "read" as penzai has it,
+    or "unread", the mask laid out ``(s, b, 1, t)`` over scores ``(s, b, h, t)``."""
+
+    def __init__(self, layout="read"):
+        super().__init__()
+        torch.manual_seed(38)
+        self.layout = layout
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).unbind(2)
+        pos = torch.arange(n)
+        seen = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 4)
+        if self.layout == "read":  # 2 key/value heads, each read by 2 query heads
+            q, k, v = self.qkv(x)[..., :64].split([32, 16, 16], dim=-1)
+            q, k, v = q.view(b, n, 2, 2, 8), k.view(b, n, 2, 8), v.view(b, n, 2, 8)
+            s = torch.einsum("bskrd,btkd->bskrt", q, k)
+            s = torch.where(seen[None, :, None, None, :], s / 8**0.5, torch.tensor(-1e30))
+            y = torch.einsum("bskrt,btkd->bskrd", s.softmax(-1), v)
+            return self.o(y.reshape(b, n, 32))
+        s = torch.einsum("bqhd,bkhd->qbhk", q, k) / 8**0.5
+        s = torch.where(seen[:, None, None, :].expand(n, b, 1, n), s, torch.tensor(-1e9))
+        y = torch.einsum("qbhk,bkhd->bqhd", s.softmax(-1), v).reshape(b, n, 32)
+        return self.o(y)
+
+
+def test_a_window_mask_broadcast_between_the_query_and_key_axes_is_read():
+    """The query axis apart from the keys' by axes of one: the window is read (it had been
+    no mask at all, and a correct local layer of a model failed at `scores`)."""
+    report = check(_PenzaiMask, kind="causal-multihead")
+    assert report.ok and report.structure["window"] == 4, report.to_text(color=False)
+
+
+def test_a_mask_in_a_layout_not_read_is_refused_not_judged():
+    """A correct windowed layer whose mask no reading places had been failed at `weights`
+    (`not_softmax`): it hides scores, so without it nothing can be judged."""
+    with pytest.raises(AttnScopeError, match="mask on the scores in a layout not read"):
+        check(lambda: _PenzaiMask("unread"), kind="causal-multihead")
+
+
+class _ExpertCross(nn.Module):
+    """SmolVLA's action expert: the wrapper norms its own hidden states for the queries,
+    and projects keys and values from the VLM's states (``slip``: from its own)."""
+
+    def __init__(self, slip=False):
+        super().__init__()
+        torch.manual_seed(39)
+        self.slip = slip
+        self.norm = nn.LayerNorm(32)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(32, 32) for _ in range(3))
+        self.o_proj = nn.Linear(32, 32)
+
+    def forward(self, expert_hidden, vlm_kv_states):
+        b, n, _ = expert_hidden.shape
+        h = self.norm(expert_hidden)
+        src = h if self.slip else vlm_kv_states
+        q = self.q_proj(h).view(b, n, 4, 8).transpose(1, 2)
+        k = self.k_proj(src.view(*src.shape[:2], -1)).view(b, -1, 4, 8).transpose(1, 2)
+        v = self.v_proj(src).view(b, -1, 4, 8).transpose(1, 2)
+        y = nn.functional.scaled_dot_product_attention(q, k, v)
+        return expert_hidden + self.o_proj(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_a_norm_on_the_queries_side_alone_of_a_cross_layer_is_its_input():
+    """The queries read the expert's normed states, the keys the VLM's raw ones: the norm
+    is the layer's own (it had been a false alarm at `scores`); keys taken from the
+    queries' side, with the second sequence never read, are `wrong_source`."""
+    report = check(_ExpertCross)
+    assert report.ok and report.kind == "cross", report.to_text(color=False)
+    bad = check(lambda: _ExpertCross(slip=True))
+    assert outcome(bad) == ("keys", "wrong_source"), bad.to_text(color=False)
+
+
+def test_projections_of_different_transforms_of_one_input_are_refused_if_unexplained():
+    """Queries from a norm of the input, keys and values from the input as it came: not a
+    reading the reference has, so a layer it cannot explain is refused, not judged."""
+
+    class Split(_ExpertCross):
+        def forward(self, x):
+            b, n, _ = x.shape
+            q = self.q_proj(self.norm(x)).view(b, n, 4, 8).transpose(1, 2)
+            k = self.k_proj(x).view(b, n, 4, 8).transpose(1, 2)
+            v = self.v_proj(x).view(b, n, 4, 8).transpose(1, 2)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(y.transpose(1, 2).reshape(b, n, 32))
+
+    with pytest.raises(AttnScopeError, match="different transforms of the input"):
+        check(Split, kind="causal-multihead")
+
+
+class _TupleWindow(nn.Module):
+    """OLMo-core: the configuration declares a window of 8 keys; the layer converts it to
+    flash-attn's ``(left, right)``; ``left`` 8 (the slip) or 7."""
+
+    def __init__(self, left=7):
+        super().__init__()
+        torch.manual_seed(40)
+        self.config = SimpleNamespace(window_size=8)
+        self.window_size = (left, 0)
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        seen = (j <= i) & (i - j <= self.window_size[0])
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+        return self.o(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_a_window_declared_in_keys_wins_over_the_pair_converted_from_it():
+    assert check(_TupleWindow, kind="causal-multihead").ok
+    bad = check(lambda: _TupleWindow(left=8), kind="causal-multihead")
+    assert outcome(bad) == ("masked_scores", "window_size"), bad.to_text(color=False)
+
+
+class _FullNormCut(nn.Module):
+    """LLaDA: a LayerNorm over the whole query and key projections, then the heads cut
+    (``slip``: queries viewed ``(B, H, T, hd)`` straight from ``(B, T, C)``), rotated."""
+
+    def __init__(self, slip=False):
+        super().__init__()
+        torch.manual_seed(41)
+        self.slip = slip
+        self.att_proj, self.attn_out = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.q_norm, self.k_norm = nn.LayerNorm(32), nn.LayerNorm(32)
+        with torch.no_grad():
+            for ln in (self.q_norm, self.k_norm):
+                ln.weight.uniform_(0.5, 1.5)
+                ln.bias.uniform_(-0.2, 0.2)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.att_proj(x).split(32, dim=-1)
+        q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, 4, n, 8) if self.slip else q.view(b, n, 4, 8).transpose(1, 2)
+        k, v = (t.view(b, n, 4, 8).transpose(1, 2) for t in (k, v))
+        pos = torch.arange(n)
+        y = nn.functional.scaled_dot_product_attention(_rotate(q, pos), _rotate(k, pos), v)
+        return self.attn_out(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_heads_cut_wrongly_after_a_full_width_norm_are_heads_split():
+    """The norm saw each token's row before the wrong cut: read so, the mistake is named
+    (it had been refused as a rotation not read)."""
+    assert check(_FullNormCut, kind="multihead").ok
+    bad = check(lambda: _FullNormCut(slip=True), kind="multihead")
+    assert outcome(bad) == ("queries", "heads_split"), bad.to_text(color=False)
+
+
+def test_queries_and_keys_clipped_to_a_range_are_refused_naming_the_clip():
+    class Clipped(_FullNormCut):
+        def forward(self, x):
+            b, n, _ = x.shape
+            qkv = self.att_proj(x).clamp(min=-0.3, max=0.3)
+            q, k, v = (t.view(b, n, 4, 8).transpose(1, 2) for t in qkv.split(32, dim=-1))
+            y = nn.functional.scaled_dot_product_attention(q, k, v)
+            return self.attn_out(y.transpose(1, 2).reshape(b, n, 32))
+
+    with pytest.raises(AttnScopeError, match="clipped to a range"):
+        check(Clipped, kind="multihead")
+
+
+def test_a_decoding_divergence_at_a_layer_that_reads_later_tokens_names_no_cache_mistake():
+    """A model whose second layer softmaxes over the queries fails there; its cached steps
+    cannot equal a full pass that reads tokens still to come, and that is the layer's
+    failure, not the cache's (it had been named `cache_mask`)."""
+
+    class Leaky(_BufferLM):
+        def __init__(self):
+            super().__init__()
+            self.layers[1].leak = True
+
+    report = check(Leaky)
+    assert outcome(report) == ("weights", "softmax_wrong_dim"), report.to_text(color=False)
+    assert report.decode is not None and not report.decode.ok
+    assert report.decode.mistake is None and "later tokens" in report.decode.message

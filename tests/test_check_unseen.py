@@ -21,6 +21,18 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 30's first run (commit 7fa309f)
+    "r30/b01_olmocore_window_tuple_off_by_one": "the layer keeps only the flash-style pair "
+    "(8, 0) it was given (9 keys, as it computes); the configuration's window of 8 it was "
+    "converted from is kept nowhere the checker can read (as r24's ONNX Runtime case)",
+    "r30/c10_ling_mqa_partial_quarter": "one rotated pair (a quarter of 8 features): its "
+    "frequency is 1 whatever the base, so the base cannot be read from the computation (None "
+    "reported, 10000 stated)",
+    "r30/b22_ling_causal_mask_not_built": (
+        "inferred",
+        "the model passes no mask and the eager path builds none: with the kind inferred "
+        "nothing it computes says decoder",
+    ),
     # round 29's first run (commit e6ed9c7)
     "r29/b06_pico_sdpa_is_causal_dropped": (
         "inferred",
@@ -273,6 +285,9 @@ _FEATURE_WORDS = {
     "rope_subset_heads": "rotary",
     "windowed_blocks": "blocks of the tokens",
     "sink_window_mask": "mask of another pattern",
+    "block_causal_mask": "mask of another pattern",
+    "qkv_clip": "clipped",
+    "per_segment_projections": "different weights for different parts of the input",
     "null_kv": "key/value rows joined",
 }
 

@@ -135,10 +135,18 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
 
 def tokens_last(hidden: T) -> T:
     """A mask laid out tokens first, ``[T_q, T_k, ...]`` (sequence-first layers' scores
-    ``[i, j, batch, heads]``), with its two token axes moved last; any other as it is."""
+    ``[i, j, batch, heads]``), or with its query axis apart from the keys' by axes of one,
+    with its two token axes moved last; any other as it is."""
     if hidden.dim() < 3 or hidden.shape[-1] == hidden.shape[-2] > 1:
         return hidden
     if hidden.shape[0] != hidden.shape[1] or hidden.shape[0] < 2:
+        # queries before the heads, keys last (penzai's ``[b, s, kv_heads, q_rep, t]``): a
+        # mask broadcast over the heads has its query axis apart from the keys' by ones
+        n = hidden.shape[-1]
+        for i in range(hidden.dim() - 3, -1, -1):
+            between = hidden.shape[i + 1 : -1]
+            if hidden.shape[i] == n > 1 and all(d == 1 for d in between):
+                return hidden.movedim(i, -2)
         return hidden
     return hidden.movedim((0, 1), (-2, -1))
 
@@ -157,6 +165,21 @@ def _lower_triangle_kept(t: T) -> T | None:
     n = t.shape[-1]
     future = torch.ones(n, n, dtype=torch.bool).triu(1)
     return low if bool((low == future).all()) else None
+
+
+def _causal_slice(hidden: T) -> bool:
+    """Whether a mask ``(..., T_q, K)`` hides, in every batch and head alike, exactly the
+    keys after each query of a run of keys starting at some offset: the causal mask's
+    piece for one slice of the keys (split-KV attention merges such pieces)."""
+    if hidden.dim() < 2:
+        return False
+    q, k = hidden.shape[-2:]
+    rows = hidden.reshape(-1, q, k)
+    if not bool((rows == rows[:1]).all()):
+        return False
+    one = rows[0]
+    i, j = torch.arange(q)[:, None], torch.arange(k)[None, :]
+    return any(torch.equal(one, j + off > i) for off in range(max(q, 1)))
 
 
 def causal_chunks(hidden: T) -> int | None:
@@ -221,6 +244,9 @@ class Features:
         self.s, self.g, self.ops = s, g, g.ops
         self.window_seen = 0  # the window of the last band-shaped mask judged
         self._bias_seen: T | None = None
+        #: how the last mask judged was applied, where it hid some scores in a layout no
+        #: reading placed (see _judge_hidden)
+        self._unread: str | None = None
         self._softmaxes = {o.index for o in self.ops if o.name in _SOFTMAX_CALLS}
 
     def _lead(self) -> tuple[int, int] | None:
@@ -441,6 +467,14 @@ class Features:
         rotates = any(o.name in ("cat", "neg", "__neg__", "stack", "flip") for o in path)
         for op in path:
             name = op.name
+            if name in ("clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_max"):
+                # OLMo's clip_qkv: a range the projections are held to (not a position's)
+                self._unmodelled(
+                    f"the {role} clipped to a range on their way to the scores ({name}: "
+                    "OLMo's clip_qkv?)",
+                    op.location,
+                )
+                continue
             if name in _ROTARY_CALLS:
                 self.s.rotary.setdefault(
                     role, ("rotary position embedding (complex rotation)", op.location)
@@ -768,7 +802,15 @@ class Features:
                 after_softmax.add(i)
             if op.name not in MASKING_OPS or i == start:
                 continue
+            self._unread = None
             evidence = self._mask_of(op, reach)
+            if evidence is None and self._unread is not None:
+                # it hides some scores, in a layout no reading placed: judged without it, a
+                # correct layer would fail; refused instead unless a mistake explains it
+                self._unmodelled(
+                    f"a mask on the scores in a layout not read ({self._unread} hiding some keys)",
+                    op.location,
+                )
             if evidence is None:
                 continue
             kind, detail = evidence
@@ -925,6 +967,8 @@ class Features:
                     f"a mask of another pattern than causal, a sliding window or none "
                     f"(attention sinks, a prefix, packed documents?: {how})",
                 )
+            if bool(hidden.any()) and not bool(hidden.all()) and not _causal_slice(hidden):
+                self._unread = how
             return None
         kind, d = shape
         if kind == "window":

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import AttnScopeError
 from ..stages import Kind
+from .compare import close
 from .decode import PROMPT, START, STEPS, check_decoding, decode_protocol
 from .probe import BATCH, ModuleProbe, first_tensor
 from .record import Recorder, tensors_in
@@ -462,6 +463,50 @@ def _projected_buffers(rec: Recorder, model: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def _explained_by_the_layer(decoded, reports: dict, host: ModelHost, model: nn.Module, ids):
+    """A decoding that first diverges at a layer whose own check failed, and whose output
+    in the model's full pass changes with later tokens (a softmax over the queries: no
+    cache can reproduce what the full pass computes from tokens still to come), names no
+    cache mistake: the layer's failure is the finding. Any other divergence is as found."""
+    if decoded is None or decoded.ok or decoded.layer is None:
+        return decoded
+    report = reports.get(decoded.layer)
+    if report is None or report.ok:
+        return decoded
+    layer = model.get_submodule(decoded.layer)
+    seen: list[torch.Tensor] = []
+    hook = layer.register_forward_hook(lambda m, a, out: seen.append(first_tensor(out)))
+    try:
+        later = ids.clone()
+        later[:, -1] = (later[:, -1] + 1) % host.vocab
+        for x in (ids, later):
+            _, err = host.call(x)
+            if err is not None:
+                return decoded
+    finally:
+        hook.remove()
+    if len(seen) < 2 or seen[0] is None or seen[-1] is None or seen[0].shape != seen[-1].shape:
+        return decoded
+    a, b = seen[0].detach().double(), seen[-1].detach().double()
+    axis = next((i for i, n in enumerate(a.shape) if n == ids.shape[1]), None)
+    if axis is None:
+        return decoded
+    n = ids.shape[1]
+    if close(a.narrow(axis, 0, n - 1), b.narrow(axis, 0, n - 1)):
+        return decoded  # causal in the model: the divergence is the cache's
+    failure = report.first_failure
+    return dataclasses.replace(
+        decoded,
+        mistake=None,
+        message=(
+            f"step {decoded.step}, layer '{decoded.layer}': the cached step differs from the "
+            "full pass, and this layer's output in the full pass changes with later tokens "
+            f"(its own failure: {failure.stage.value} {failure.mistake}): no cache can match "
+            "it, so no cache mistake is named"
+        ),
+    )
+
+
 def _model_width(model: nn.Module) -> int | None:
     for p in model.parameters():
         if p.dim() == 2:
@@ -547,6 +592,7 @@ def check_model(
     if vocab is not None and causal and decode != "none":  # its cache, step by step
         ids = host.input(BATCH, PROMPT + STEPS)
         decoded = check_decoding(model, list(zip(paths, layers, strict=True)), ids, decode)
+        decoded = _explained_by_the_layer(decoded, dict(reports), host, model, ids)
     report = ModelReport.of(tgt.text, reports, decoded)
     report.notes = list(tgt.notes)
     return report

@@ -84,6 +84,8 @@ _SEQUENCE_HINTS = (
     "visual",
     "audio",
     "kv_input",
+    "kv_states",
+    "vlm",
     "y",
     "text",
 )
@@ -2311,20 +2313,23 @@ class ModuleProbe:
             return None  # the layer says it has none (a full-attention layer of its model)
         if getattr(m, "is_sliding", None) is False:
             return None  # the layer says it is not a sliding one (EXAONE 4's full layers)
+        converted: list[int | None] = []
         for holder in self._declaring(m):
             if getattr(holder, "use_sliding_window", True) is False:
                 continue  # declared, and switched off (Qwen 2 configs)
             if _declares_global(holder):
-                return None  # a window size held, and the layer's type says global
+                break  # a window size held, and the layer's type says global
             for attr in _WINDOW_NAMES:
                 v = getattr(holder, attr, None)
                 if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                     return v
                 if _left_only(v):
                     # flash-attn's and TransformerEngine's (left, right) keys on either side
-                    # of the query, none to the right: a causal window of left + 1 keys
-                    return None if v[0] < 0 else v[0] + 1
-        return None
+                    # of the query, none to the right: a causal window of left + 1 keys. A
+                    # window of keys declared further out (the config's, OLMo-core's) is
+                    # what such a pair is converted from: it wins where they disagree
+                    converted.append(None if v[0] < 0 else v[0] + 1)
+        return converted[0] if converted else None
 
     def _softcap(self) -> float | None:
         """The logit soft-capping the layer (or its configuration) declares, where its
@@ -2573,10 +2578,11 @@ class ModuleProbe:
             # those cuts are read too, after the right one, and the judge names the mistake
             q_cuts = [split, *WRONG_CUTS] if spec.num_heads > 1 else [split]
             k_cuts = [split, *WRONG_CUTS] if spec.kv > 1 else [split]
-            for role, word, node, sources in (
-                ("q", "queries", q_node, [cut(q, spec.num_heads) for cut in q_cuts]),
-                ("k", "keys", k_node, [cut(k, spec.kv) for cut in k_cuts for k in keys]),
+            for role, word, node, cuts in (
+                ("q", "queries", q_node, [(cut, q, spec.num_heads) for cut in q_cuts]),
+                ("k", "keys", k_node, [(cut, k, spec.kv) for cut in k_cuts for k in keys]),
             ):
+                sources = [cut(t, h) for cut, t, h in cuts]
                 path = [
                     call.record.ops[i]
                     for i in sorted(graph.ancestors(node, stop=stops))
@@ -2584,7 +2590,9 @@ class ModuleProbe:
                 ]
                 eps = eps_on_path(call.record.ops, path)
                 found = None
-                for ref in sources:
+                for (how, flat, h_cut), ref in zip(cuts, sources, strict=True):
+                    # a full-width norm is taken before a wrong cut, as the layer takes it
+                    wrong = None if how is split else (flat, lambda t, f=how, h=h_cut: f(t, h))
                     gains = []
                     if word in st.qk_norm:
                         widths = {hd, ref.shape[1] * hd}
@@ -2618,7 +2626,7 @@ class ModuleProbe:
                             side
                             for numel, once in refs
                             for form in forms(numel, once)
-                            if (side := read_side(ref, form, gains, eps, turned)) is not None
+                            if (side := read_side(ref, form, gains, eps, turned, wrong)) is not None
                         ),
                         None,
                     )

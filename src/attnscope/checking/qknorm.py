@@ -89,6 +89,14 @@ class QKNorm:
             normed = normalise(t, self.kind, self.eps)
         return _affine(normed, gain, bias, h)
 
+    def apply_whole(self, role: str, flat: T) -> T:
+        """A norm over the whole projection (``scope`` full) on ``(B, T, H*D)`` before the
+        heads are cut: where they are cut wrongly, the norm still saw each token's row."""
+        gain, bias = (self.q_gain, self.q_bias) if role == "q" else (self.k_gain, self.k_bias)
+        t = normalise(flat, self.kind, self.eps)
+        t = t if gain is None or gain.numel() != t.shape[-1] else t * gain.reshape(-1)
+        return t if bias is None or bias.numel() != t.shape[-1] else t + bias.reshape(-1)
+
 
 @dataclass(eq=False)
 class ContextNorm:
@@ -145,6 +153,7 @@ def read_side(
     gains: list[tuple[T | None, T | None]],
     eps: float,
     rotations: list[Tables] = (),
+    cut: tuple[T, object] | None = None,
 ) -> NormSide | None:
     """How ``u`` (the operand of the scores, ``(B, H, T, D)``) was made from the projected
     heads ``p``: a rotation (or nothing) alone, or a norm with one of ``gains`` then a
@@ -157,7 +166,11 @@ def read_side(
 
     A linear fit also "explains" a gain folded into the tables (which is no rotation), so
     hypotheses are ranked: a rotation (or nothing), then the norm after the rotation, then
-    tables laid out for the other pairing (the mistake ``rope_pairing``)."""
+    tables laid out for the other pairing (the mistake ``rope_pairing``).
+
+    ``cut``: ``(flat, split)``, the projection ``(B, T, H*D)`` and how ``p`` was cut from
+    it, where that is not the usual split (heads cut wrongly): a norm over the whole
+    projection is then taken before that cut, as the layer takes it."""
     found: list[tuple[int, NormSide]] = []
 
     def consider(side: NormSide) -> None:
@@ -173,6 +186,15 @@ def read_side(
         for scope in SCOPES:
             for kind in KINDS:
                 try:
+                    if scope == "full" and cut is not None:
+                        flat, split_as = cut
+                        whole = normalise(flat, kind, eps)
+                        whole = whole if gain is None else whole * gain.reshape(-1)
+                        whole = whole if bias is None else whole + bias.reshape(-1)
+                        t = fit_tables(split_as(whole), u)
+                        if t is not None:
+                            consider(NormSide(t, True, scope, kind, gain, bias))
+                        continue
                     if scope == "full":
                         normed = _split(normalise(_merge(p), kind, eps), h)
                     else:

@@ -277,7 +277,23 @@ def _heads(x: T, spec: Spec, w: Weights | None, mut: Mutation, proj, sub) -> dic
     if mut.swap_batch:  # (B, T, D) read as (T, B, D): each position attends across the batch
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     cut = mut.split or split
-    qh, kh, vh = cut(q, spec.num_heads), cut(k, spec.kv), cut(v, spec.kv)
+    whole = (
+        spec.qk_norm is not None
+        and spec.qk_norm.scope == "full"
+        and mut.norm is None
+        and mut.split is not None
+    )
+    if whole:
+        # heads cut wrongly after a norm over the whole projection: the norm saw each
+        # token's row before the cut. The normed rows ride along the batch through the
+        # same cut (one call per role: a cut may count its calls)
+        b = q.shape[0]
+        qn, kn = spec.qk_norm.apply_whole("q", q), spec.qk_norm.apply_whole("k", k)
+        q2, k2 = cut(torch.cat([q, qn]), spec.num_heads), cut(torch.cat([k, kn]), spec.kv)
+        qh, kh, vh = q2[:b], k2[:b], cut(v, spec.kv)
+        cut_normed = {"q": q2[b:], "k": k2[b:]}
+    else:
+        qh, kh, vh = cut(q, spec.num_heads), cut(k, spec.kv), cut(v, spec.kv)
     if mut.rotate_values and spec.rope is not None:
         vh = spec.rope.rotate(vh)
     qh, kh, vh = sub.get("queries", qh), sub.get("keys", kh), sub.get("values", vh)
@@ -285,6 +301,13 @@ def _heads(x: T, spec: Spec, w: Weights | None, mut: Mutation, proj, sub) -> dic
     norm = None
     if spec.qk_norm is not None:
         norm = mut.norm or spec.qk_norm.apply
+    if whole:
+
+        def norm(role, t, base=spec.qk_norm):
+            if ("queries" if role == "q" else "keys") in sub or role in mut.norm_after_rope:
+                return base.apply(role, t)
+            return cut_normed[role]
+
     turn = None
     if spec.rope is not None:
         turn = mut.rotate or (lambda role, t: spec.rope.rotate(t))

@@ -759,13 +759,44 @@ class _Reader:
         cols = col[torch.sort(row, stable=True).indices].view(n_rows, width)
         return cols[0].clone() if bool((cols == cols[:1]).all()) else None
 
+    def _unviewed(self, node: int) -> int:
+        """``node`` traced back through views of one tensor (``x.view(*x.shape[:2], -1)``)."""
+        while self.ops[node].name in LAYOUT_OPS and len(self.g.tainted_args(self.ops[node])) == 1:
+            node = self.g.tainted_args(self.ops[node])[0]
+        return node
+
     def _pre(self, s: Structure) -> list[Op]:
         """Transforms of the input inside the layer before the projections (not layout)."""
         if s.input_node is None or not s.roles["q"]:
             return []
         start = s.call.start if s.call is not None else 0
-        inputs = {p.input_node for ps in s.roles.values() for p in ps}
+        inputs = {self._unviewed(p.input_node) for ps in s.roles.values() for p in ps}
+        q_in = {self._unviewed(p.input_node) for p in s.roles["q"]}
+        if len(inputs) != 1 and len(q_in) == 1:
+            # cross-attention: keys and values from another input; the queries' own
+            # transform (SmolVLA's expert norms its hidden states, not the VLM's) is the pre
+            q_roots = self.g.roots(next(iter(q_in)))
+            if not any(self.g.roots(n) & q_roots for n in inputs - q_in):
+                inputs = q_in
         if len(inputs) != 1:
+            # the projections read different transforms of one input: not modelled (a
+            # verdict would hold the layer to a reference fed the input as it came)
+            for node in sorted(inputs):
+                made = [
+                    self.ops[i]
+                    for i in self.g.ancestors(node)
+                    if i >= start and self.ops[i].leaf is None
+                ]
+                moved = [op for op in made if op.name not in LAYOUT_OPS]
+                if moved:
+                    s.unmodelled.append(
+                        (
+                            "projections that read different transforms of the input "
+                            f"({moved[0].name} on the way to one of them)",
+                            moved[0].location,
+                        )
+                    )
+                    break
             return []
         found = [
             self.ops[i]

@@ -765,7 +765,7 @@ def model_html(
     elif report.first_layer is not None:
         verdict = f"FAILED at {report.first_layer}"
     else:  # every layer right: the decoding failed
-        verdict = f"FAILED in decoding ({d.mistake} at step {d.step})"
+        verdict = f"FAILED in decoding ({d.mistake or 'no cache mistake named'} at step {d.step})"
     body = [
         f"<h1>{escape(title)}</h1>",
         f'<p class="meta">{_verdict(report.ok)} {escape(verdict)} · '

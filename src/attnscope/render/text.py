@@ -436,7 +436,7 @@ def model_text(report: ModelReport, color: bool | None = None) -> str:
         what = (
             f"{d.steps} cached steps equal the full pass"
             if d.ok
-            else f"{d.mistake} at step {d.step}: {d.message}"
+            else f"{d.mistake or 'no cache mistake named'} at step {d.step}: {d.message}"
         )
         how = f" ({d.protocol})" if getattr(d, "protocol", None) else ""
         out.line(f"decoding with its cache{how}: ", (word, style), "  ", what)
