@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 EXPECT = {
     "target": "make_model",
-    "ok": True,
+    "ok": False,  # the writer had True beside the slip it states; corrected after the first run
     "layers": [
         "layers.0.attention",
         "layers.1.attention",
@@ -71,8 +71,10 @@ class Attention(nn.Module):
         return head // (self.n_heads // self.n_kv_heads)
 
     def freqs_cis(self, tokens, device):
-        zero_to_one_split_into_64_parts = torch.arange(self.head_dim // 2, dtype=torch.float64) / (self.head_dim // 2)
-        freqs = 1.0 / (self.rope_theta ** zero_to_one_split_into_64_parts)
+        zero_to_one_split_into_64_parts = torch.arange(self.head_dim // 2, dtype=torch.float64) / (
+            self.head_dim // 2
+        )
+        freqs = 1.0 / (self.rope_theta**zero_to_one_split_into_64_parts)
         freqs_for_each_token = torch.outer(torch.arange(tokens, dtype=torch.float64), freqs)
         return torch.polar(torch.ones_like(freqs_for_each_token), freqs_for_each_token).to(device)
 
@@ -101,7 +103,10 @@ class Attention(nn.Module):
             v_per_token = torch.matmul(x, v_layer_head.T)
             q_per_token_rotated = self.rotate(q_per_token, freqs_cis)
             k_per_token_rotated = self.rotate(k_per_token, freqs_cis)
-            qk_per_token = torch.matmul(q_per_token_rotated, k_per_token_rotated.transpose(-2, -1)) / (self.head_dim) ** 0.5
+            qk_per_token = (
+                torch.matmul(q_per_token_rotated, k_per_token_rotated.transpose(-2, -1))
+                / (self.head_dim) ** 0.5
+            )
             qk_per_token_after_masking = qk_per_token + mask
             qk_per_token_after_masking_after_softmax = F.softmax(qk_per_token_after_masking, dim=-1)
             qkv_attention = torch.matmul(qk_per_token_after_masking_after_softmax, v_per_token)
@@ -118,7 +123,10 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
 
     def forward(self, x):
-        return torch.matmul(F.silu(torch.matmul(x, self.w1.weight.T)) * torch.matmul(x, self.w3.weight.T), self.w2.weight.T)
+        return torch.matmul(
+            F.silu(torch.matmul(x, self.w1.weight.T)) * torch.matmul(x, self.w3.weight.T),
+            self.w2.weight.T,
+        )
 
 
 class TransformerBlock(nn.Module):
@@ -151,9 +159,17 @@ class Llama3(nn.Module):
 
 def make_model():
     torch.manual_seed(2405)
-    cfg = SimpleNamespace(vocab_size=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160,
-                          norm_eps=1e-5, rope_theta=500000.0,
-                          kv_mapping_per_layer=["grouped", "modulo", "grouped"])
+    cfg = SimpleNamespace(
+        vocab_size=96,
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=160,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        kv_mapping_per_layer=["grouped", "modulo", "grouped"],
+    )
     model = Llama3(cfg)
     g = torch.Generator().manual_seed(24051)
     with torch.no_grad():

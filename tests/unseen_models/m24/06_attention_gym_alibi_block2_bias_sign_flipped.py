@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 EXPECT = {
     "target": "make_model",
-    "ok": True,
+    "ok": False,  # the writer had True beside the slip it states; corrected after the first run
     "layers": [
         "decoder.blocks.0.attn",
         "decoder.blocks.1.attn",
@@ -69,11 +69,14 @@ def causal_mask(b, h, q_idx, kv_idx):
 
 def offset_mod(mod, offset, is_mask):
     if is_mask:
+
         def shifted(b, h, q_idx, kv_idx):
             return mod(b, h, q_idx + offset, kv_idx)
     else:
+
         def shifted(score, b, h, q_idx, kv_idx):
             return mod(score, b, h, q_idx + offset, kv_idx)
+
     return shifted
 
 
@@ -104,7 +107,11 @@ class CausalSelfAttention(nn.Module):
         self.d_model = config.d_model
         self.Wqkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.out_proj = nn.Linear(config.d_model, config.d_model, bias=False)
-        alibi_fn = generate_alibi_bias_v0 if layer_idx in config.legacy_alibi_layers else generate_alibi_bias
+        alibi_fn = (
+            generate_alibi_bias_v0
+            if layer_idx in config.legacy_alibi_layers
+            else generate_alibi_bias
+        )
         self.score_mod = alibi_fn(config.n_head)
         self.mask_mod = causal_mask
         self.k_cache = None
@@ -131,7 +138,9 @@ class CausalSelfAttention(nn.Module):
             self.v_cache[:B, :, input_pos] = v
             offset = int(input_pos[0])
             y = flex_attention(
-                q, self.k_cache[:B], self.v_cache[:B],
+                q,
+                self.k_cache[:B],
+                self.v_cache[:B],
                 score_mod=offset_mod(self.score_mod, offset, is_mask=False),
                 mask_mod=offset_mod(self.mask_mod, offset, is_mask=True),
             )
@@ -203,8 +212,9 @@ class AlibiLM(nn.Module):
 
 def make_model():
     torch.manual_seed(2406)
-    config = SimpleNamespace(vocab_size=96, d_model=64, n_head=4, n_layer=3, max_seq_len=64,
-                             legacy_alibi_layers=(2,))
+    config = SimpleNamespace(
+        vocab_size=96, d_model=64, n_head=4, n_layer=3, max_seq_len=64, legacy_alibi_layers=(2,)
+    )
     model = AlibiLM(config)
     g = torch.Generator().manual_seed(24061)
     with torch.no_grad():

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 EXPECT = {
     "target": "make_model",
-    "ok": True,
+    "ok": False,  # the writer had True beside the slip it states; corrected after the first run
     "layers": [
         "model.layers.0.self_attn",
         "model.layers.1.self_attn",
@@ -61,7 +61,9 @@ class KVCache:
 
     def update(self, i, entry):
         if i == 0:
-            self.seen_tokens += entry[0].shape[2] - (self._entries[0][0].shape[2] if 0 in self._entries else 0)
+            self.seen_tokens += entry[0].shape[2] - (
+                self._entries[0][0].shape[2] if 0 in self._entries else 0
+            )
         self._entries.setdefault(i, entry)
 
     def seq_len(self):
@@ -88,7 +90,9 @@ class H2OKVCache_LayerWise:
         select_hh_scores = self.hh_score[:, : seq_len - self.recent_size]
         _, keep_topk = torch.topk(select_hh_scores, self.hh_size, dim=-1)
         keep_topk = keep_topk.sort().values
-        keep_recent = torch.arange(seq_len - self.recent_size, seq_len, device=keep_topk.device).repeat(keep_topk.shape[0], 1)
+        keep_recent = torch.arange(
+            seq_len - self.recent_size, seq_len, device=keep_topk.device
+        ).repeat(keep_topk.shape[0], 1)
         keep_idx = torch.cat([keep_topk, keep_recent], dim=-1)
         mask = torch.zeros(self.hh_score.shape, dtype=torch.bool, device=past_key_values[0].device)
         mask = mask.scatter(-1, keep_idx, 1)
@@ -129,7 +133,9 @@ class LlamaRotaryEmbedding(nn.Module):
         self.base = base
 
     def forward(self, x, seq_len):
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim))
+        inv_freq = 1.0 / (
+            self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim)
+        )
         freqs = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1).to(x.device)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -151,7 +157,9 @@ def repeat_kv(hidden_states, n_rep):
     batch, num_key_value_heads, slen, head_dim = hidden_states.shape
     if n_rep == 1:
         return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    hidden_states = hidden_states[:, :, None, :, :].expand(
+        batch, num_key_value_heads, n_rep, slen, head_dim
+    )
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
@@ -164,8 +172,12 @@ class H2OLlamaAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
+        self.v_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(self.head_dim)
         self.kv_cache = H2OKVCache_LayerWise(
@@ -175,17 +187,33 @@ class H2OLlamaAttention(nn.Module):
     def _clean_cache(self):
         self.kv_cache._clean_cache()
 
-    def forward(self, hidden_states, attention_mask, position_ids, past_key_value=None, use_cache=False):
+    def forward(
+        self, hidden_states, attention_mask, position_ids, past_key_value=None, use_cache=False
+    ):
         bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        query_states = (
+            self.q_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        key_states = (
+            self.k_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        value_states = (
+            self.v_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
 
         kv_seq_len = key_states.shape[-2]
         if past_key_value is not None:
             kv_seq_len += past_key_value[0].shape[-2]
         cos, sin = self.rotary_emb(value_states, seq_len=int(position_ids.max()) + 1)
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin, position_ids)
+        query_states, key_states = apply_rotary_pos_emb(
+            query_states, key_states, cos, sin, position_ids
+        )
 
         if past_key_value is not None:
             key_states = torch.cat([past_key_value[0], key_states], dim=2)
@@ -194,11 +222,16 @@ class H2OLlamaAttention(nn.Module):
 
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(self.head_dim)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(
+            self.head_dim
+        )
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype) \
-            if query_states.dtype != torch.float64 else F.softmax(attn_weights, dim=-1)
+        attn_weights = (
+            F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
+            if query_states.dtype != torch.float64
+            else F.softmax(attn_weights, dim=-1)
+        )
 
         if use_cache:
             past_key_value = self.kv_cache(past_key_value, attn_weights.detach().clone())
@@ -227,10 +260,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask, position_ids, past_key_value=None, use_cache=False):
+    def forward(
+        self, hidden_states, attention_mask, position_ids, past_key_value=None, use_cache=False
+    ):
         residual = hidden_states
         hidden_states, present = self.self_attn(
-            self.input_layernorm(hidden_states), attention_mask, position_ids, past_key_value, use_cache
+            self.input_layernorm(hidden_states),
+            attention_mask,
+            position_ids,
+            past_key_value,
+            use_cache,
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), present
@@ -240,7 +279,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        )
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, cache=None):
@@ -248,13 +289,23 @@ class LlamaModel(nn.Module):
         past_len = cache.seq_len() if cache is not None else 0
         hidden_states = self.embed_tokens(input_ids)
         dtype = hidden_states.dtype
-        position_ids = torch.arange(past_len, past_len + seq_length, device=input_ids.device).unsqueeze(0)
+        position_ids = torch.arange(
+            past_len, past_len + seq_length, device=input_ids.device
+        ).unsqueeze(0)
         attention_mask = None
         if seq_length > 1:
-            mask = torch.full((seq_length, seq_length), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device)
+            mask = torch.full(
+                (seq_length, seq_length),
+                torch.finfo(dtype).min,
+                dtype=dtype,
+                device=input_ids.device,
+            )
             mask = torch.triu(mask, diagonal=1)
             if past_len > 0:
-                mask = torch.cat([torch.zeros(seq_length, past_len, dtype=dtype, device=input_ids.device), mask], dim=-1)
+                mask = torch.cat(
+                    [torch.zeros(seq_length, past_len, dtype=dtype, device=input_ids.device), mask],
+                    dim=-1,
+                )
             attention_mask = mask[None, None]
         for idx, layer in enumerate(self.layers):
             past = None
@@ -262,7 +313,9 @@ class LlamaModel(nn.Module):
                 past = cache.get(idx)
                 if past is None:
                     layer.self_attn._clean_cache()
-            hidden_states, present = layer(hidden_states, attention_mask, position_ids, past, cache is not None)
+            hidden_states, present = layer(
+                hidden_states, attention_mask, position_ids, past, cache is not None
+            )
             if cache is not None:
                 cache.update(idx, present)
         return self.norm(hidden_states)
@@ -284,8 +337,15 @@ class LlamaForCausalLM(nn.Module):
 def make_model():
     torch.manual_seed(2411)
     config = SimpleNamespace(
-        vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, hh_size=4, recent_size=124,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        hh_size=4,
+        recent_size=124,
     )
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(24111)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 EXPECT = {
     "target": "make_model",
-    "ok": True,
+    "ok": False,  # the writer had True beside the slip it states; corrected after the first run
     "layers": [
         "decoder.blocks.0.attn",
         "decoder.blocks.1.attn",
@@ -62,11 +62,14 @@ def causal_mask(b, h, q_idx, kv_idx):
 
 def offset_mod(mod, offset, is_mask):
     if is_mask:
+
         def shifted(b, h, q_idx, kv_idx):
             return mod(b, h, q_idx + offset, kv_idx)
     else:
+
         def shifted(score, b, h, q_idx, kv_idx):
             return mod(score, b, h, q_idx + offset, kv_idx)
+
     return shifted
 
 
@@ -123,7 +126,9 @@ class CausalSelfAttention(nn.Module):
             self.v_cache[:B, :, input_pos] = v
             offset = int(input_pos[0])
             y = flex_attention(
-                q, self.k_cache[:B], self.v_cache[:B],
+                q,
+                self.k_cache[:B],
+                self.v_cache[:B],
                 score_mod=offset_mod(self.score_mod, offset, is_mask=False),
                 mask_mod=self.mask_mod,
             )
