@@ -649,3 +649,58 @@ def test_a_decoding_divergence_at_a_layer_that_reads_later_tokens_names_no_cache
     assert outcome(report) == ("weights", "softmax_wrong_dim"), report.to_text(color=False)
     assert report.decode is not None and not report.decode.ok
     assert report.decode.mistake is None and "later tokens" in report.decode.message
+
+
+# ---------------------------------------------------------------- round 31
+
+
+def test_an_alibi_mask_whose_future_entries_are_zero_is_mask_fill_value():
+    """Step-Audio's ``bias.masked_fill(tril == 0, 0.0)``: one additive mask of ALiBi and
+    the future, its future 0 instead of -inf (it had been `context`/`other`)."""
+
+    class ZeroFuture(_AlibiSplit):
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = self.W_pack(x).view(b, n, 3, 4, 16).permute(2, 0, 3, 1, 4)
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            bias = -(i - j) * self.slopes[:, None, None]
+            bias = bias.masked_fill(j > i, 0.0)  # the slip: 0 where -inf belongs
+            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(x.dtype))
+            return self.o_proj(y.transpose(1, 2).reshape(b, n, 64))
+
+    report = check(ZeroFuture, kind="causal-multihead")
+    assert outcome(report) == ("masked_scores", "mask_fill_value"), report.to_text(color=False)
+
+
+class _PartsFirst(nn.Module):
+    """VGGT's frame attention, per-head QK LayerNorm; ``slip``: the combined projection
+    reshaped ``(3, B, heads, N, hd)`` with no permute."""
+
+    def __init__(self, slip=False):
+        super().__init__()
+        torch.manual_seed(42)
+        self.slip = slip
+        self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.q_norm, self.k_norm = nn.LayerNorm(8), nn.LayerNorm(8)
+        with torch.no_grad():
+            for ln in (self.q_norm, self.k_norm):
+                ln.weight.uniform_(0.5, 1.5)
+                ln.bias.uniform_(-0.2, 0.2)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        if self.slip:
+            qkv = self.qkv(x).reshape(3, b, 4, n, 8)
+        else:
+            qkv = self.qkv(x).reshape(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        y = nn.functional.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
+        return self.proj(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_a_combined_projection_reshaped_parts_first_under_a_qk_norm_is_heads_split():
+    """The norm is read on the scrambled heads (it had been refused as a QK norm not
+    read), and the reshape is named."""
+    assert check(_PartsFirst, kind="multihead").ok
+    bad = check(lambda: _PartsFirst(slip=True), kind="multihead")
+    assert outcome(bad) == ("queries", "heads_split"), bad.to_text(color=False)

@@ -21,6 +21,12 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 31's first run (commit b3b03c6)
+    "r31/b21_step1_future_filled_with_zero": (
+        "inferred",
+        "an ALiBi mask whose future entries are 0: nothing hidden, so with the kind inferred "
+        "nothing it computes says decoder",
+    ),
     # round 30's first run (commit 7fa309f)
     "r30/b01_olmocore_window_tuple_off_by_one": "the layer keeps only the flash-style pair "
     "(8, 0) it was given (9 keys, as it computes); the configuration's window of 8 it was "
@@ -287,6 +293,8 @@ _FEATURE_WORDS = {
     "sink_window_mask": "mask of another pattern",
     "block_causal_mask": "mask of another pattern",
     "qkv_clip": "clipped",
+    "mot_experts": "different weights for different parts of the input",
+    "sqrt_alibi": "not ALiBi's",
     "per_segment_projections": "different weights for different parts of the input",
     "null_kv": "key/value rows joined",
 }

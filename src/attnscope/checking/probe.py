@@ -40,7 +40,7 @@ from .compare import close
 from .dataflow import LAYOUT_OPS, Graph
 from .features import Unsupported, mask_shape, seen_keys
 from .judge import Call, Judge
-from .mistakes.projections import WRONG_CUTS
+from .mistakes.projections import WRONG_CUTS, packed_scrambles
 from .qknorm import (
     ContextNorm,
     QKNorm,
@@ -2578,9 +2578,18 @@ class ModuleProbe:
             # those cuts are read too, after the right one, and the judge names the mistake
             q_cuts = [split, *WRONG_CUTS] if spec.num_heads > 1 else [split]
             k_cuts = [split, *WRONG_CUTS] if spec.kv > 1 else [split]
+            q_cut = [(cut, q, spec.num_heads) for cut in q_cuts]
+            k_cut = [(cut, k, spec.kv) for cut in k_cuts for k in keys]
+            one_weight = st.shared.get("k") == "q" and st.shared.get("v") == "q"
+            if spec.kv == spec.num_heads > 1 and one_weight and q.shape == k.shape == v.shape:
+                # one combined projection reshaped wrongly before q, k, v are cut from it
+                for mixed in packed_scrambles(spec.num_heads):
+                    q2, k2, _ = mixed(q, k, v)
+                    q_cut.append((split, q2, spec.num_heads))
+                    k_cut.append((split, k2, spec.kv))
             for role, word, node, cuts in (
-                ("q", "queries", q_node, [(cut, q, spec.num_heads) for cut in q_cuts]),
-                ("k", "keys", k_node, [(cut, k, spec.kv) for cut in k_cuts for k in keys]),
+                ("q", "queries", q_node, q_cut),
+                ("k", "keys", k_node, k_cut),
             ):
                 sources = [cut(t, h) for cut, t, h in cuts]
                 path = [

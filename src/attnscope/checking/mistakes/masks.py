@@ -139,4 +139,24 @@ def _mask_fill_value(c: Context) -> list[Mutation]:
                 facts={"fill": "0/1 added", "name": text},
             )
         )
+    alibi = c.spec.alibi
+    if alibi is not None:
+        # one additive mask of ALiBi and the future, its future entries 0 instead of -inf
+        # (Step-Audio's ``bias.masked_fill(tril == 0, 0.0)``): the later keys are seen, with
+        # no position bias
+        def unmasked_future(h, n):
+            b = alibi.bias(h, n)
+            return None if b is None else b.masked_fill(_hidden(c, n), 0.0)
+
+        out.append(
+            Mutation(
+                "mask_fill_value",
+                _M,
+                "an additive mask of position biases whose hidden entries are 0, not -inf "
+                "(the later keys seen, with no bias)",
+                mask=lambda s: s,
+                bias=unmasked_future,
+                facts={"fill": 0.0, "name": "0 in the additive mask"},
+            )
+        )
     return out

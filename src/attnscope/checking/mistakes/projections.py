@@ -259,41 +259,20 @@ def _fused_splits(heads: int) -> list[Mutation]:
 
 def _packed_splits(heads: int, roles: str, stage: Stage) -> list[Mutation]:
     """One combined projection of ``roles`` (``"qkv"`` or ``"kv"``) reshaped heads-first
-    ``(b, heads, tokens, parts*hd)`` and chunked, or ``(b, parts, heads, tokens, hd)`` and
-    unbound, straight from ``(B, T, parts*D)``: each cut mixes tokens, and the mixing reaches
-    every role the projection makes at once. Both packings of the weight (per head
-    ``[q_h|k_h|v_h]``, or blocks ``[q|k|v]``) give the same raw output, each under its own
-    reading of the weight, so the label names the reshape, not the packing."""
+    ``(b, heads, tokens, parts*hd)`` and chunked, or ``(b, parts, heads, tokens, hd)`` or
+    ``(parts, b, heads, tokens, hd)`` and unbound, straight from ``(B, T, parts*D)``: each
+    cut mixes tokens, and the mixing reaches every role the projection makes at once. Both
+    packings of the weight (per head ``[q_h|k_h|v_h]``, or blocks ``[q|k|v]``) give the
+    same raw output, each under its own reading of the weight, so the label names the
+    reshape, not the packing."""
     parts = len(roles)
-
-    def pack(ts: list[T], per_head: bool) -> T:
-        b, n, _ = ts[0].shape
-        if per_head:
-            return torch.stack([t.view(b, n, heads, -1) for t in ts], 3).reshape(b, n, -1)
-        return torch.cat(ts, -1)
-
-    def cut(per_head: bool, heads_first: bool):
-        def mutate(q: T, k: T, v: T) -> tuple[T, T, T]:
-            given = dict(zip("qkv", (q, k, v), strict=True))
-            b, n, _ = given[roles[0]].shape
-            packed = pack([given[r] for r in roles], per_head)
-            if heads_first:
-                pieces = packed.reshape(b, heads, n, -1).chunk(parts, -1)
-            else:
-                pieces = packed.reshape(b, parts, heads, n, -1).unbind(1)
-            given.update({r: _unsplit(p) for r, p in zip(roles, pieces, strict=True)})
-            return given["q"], given["k"], given["v"]
-
-        return mutate
-
     what = "q/k/v" if roles == "qkv" else "k/v"
     out = []
-    for heads_first in (True, False):
-        shape = (
-            f"(b, heads, tokens, {parts}*head_dim)"
-            if heads_first
-            else f"(b, {parts}, heads, tokens, hd)"
-        )
+    for layout, shape in (
+        ("heads_first", f"(b, heads, tokens, {parts}*head_dim)"),
+        ("parts_second", f"(b, {parts}, heads, tokens, hd)"),
+        ("parts_first", f"({parts}, b, heads, tokens, hd)"),
+    ):
         for per_head in (True, False):
             out.append(
                 Mutation(
@@ -301,7 +280,43 @@ def _packed_splits(heads: int, roles: str, stage: Stage) -> list[Mutation]:
                     stage,
                     f"the combined {what} projection's output reshaped straight to {shape}, "
                     "mixing tokens and features",
-                    qkv=cut(per_head, heads_first),
+                    qkv=packed_cut(heads, roles, per_head, layout),
                 )
             )
     return out
+
+
+def packed_cut(heads: int, roles: str, per_head: bool, layout: str):
+    """``(q, k, v) -> (q, k, v)`` as one combined projection of ``roles`` reshaped wrongly
+    gives them (see :func:`_packed_splits`), each back in ``(B, T, D)``."""
+    parts = len(roles)
+
+    def pack(ts: list[T]) -> T:
+        b, n, _ = ts[0].shape
+        if per_head:
+            return torch.stack([t.view(b, n, heads, -1) for t in ts], 3).reshape(b, n, -1)
+        return torch.cat(ts, -1)
+
+    def mutate(q: T, k: T, v: T) -> tuple[T, T, T]:
+        given = dict(zip("qkv", (q, k, v), strict=True))
+        b, n, _ = given[roles[0]].shape
+        packed = pack([given[r] for r in roles])
+        if layout == "heads_first":
+            pieces = packed.reshape(b, heads, n, -1).chunk(parts, -1)
+        elif layout == "parts_second":
+            pieces = packed.reshape(b, parts, heads, n, -1).unbind(1)
+        else:  # VGGT's slip: qkv.reshape(3, B, heads, N, hd), the permute left out
+            pieces = packed.reshape(parts, b, heads, n, -1).unbind(0)
+        given.update({r: _unsplit(p) for r, p in zip(roles, pieces, strict=True)})
+        return given["q"], given["k"], given["v"]
+
+    return mutate
+
+
+#: the wrong reshapes of one combined q/k/v projection, as ``(q, k, v) -> (q, k, v)``
+def packed_scrambles(heads: int) -> list:
+    return [
+        packed_cut(heads, "qkv", per_head, layout)
+        for layout in ("heads_first", "parts_second", "parts_first")
+        for per_head in (True, False)
+    ]
