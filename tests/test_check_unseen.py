@@ -295,6 +295,9 @@ _FEATURE_WORDS = {
     "qkv_clip": "clipped",
     "mot_experts": "different weights for different parts of the input",
     "sqrt_alibi": "not ALiBi's",
+    "attention_experts": "experts a router picks",
+    "rope_axial_2d": "rotary",
+    "rope_excluded_keys": "tokens left unrotated",
     "per_segment_projections": "different weights for different parts of the input",
     "null_kv": "key/value rows joined",
 }

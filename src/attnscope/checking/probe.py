@@ -2494,10 +2494,11 @@ class ModuleProbe:
                 )
                 out.append((w, spec))
         if not out:
-            raise AttnScopeError(
-                f"{self.tgt.text}: its keys and values are {b.candidates[0].k.shape[1]} wide "
-                f"and its queries {b.d_out}: expected the same width, or grouped heads "
-                "(key/value heads dividing the query heads)"
+            raise Unsupported(
+                f"{self.tgt.text}: not supported yet: keys and values "
+                f"{b.candidates[0].k.shape[1]} wide and queries {b.d_out}: widths that do not "
+                "compose as heads (expected the same width, or grouped heads: key/value heads "
+                "dividing the query heads; queries made by experts a router picks?)"
             )
         return self._with_rope(out)
 
