@@ -1,4 +1,4 @@
-"""Readings asked for by the first runs of round 28 and model round m21: keys rotated at
+"""Readings asked for by the first runs of rounds 28-33 and model rounds m21-m26. Round 28 and model round m21: keys rotated at
 positions that are no run (a ring buffer's slot), positions restarting each patch on both
 sides; a scale landed on the ALiBi bias instead of the scores (baddbmm's beta and alpha
 swapped); a norm over the merged heads before the output projection (a sub-LayerNorm);
@@ -704,3 +704,54 @@ def test_a_combined_projection_reshaped_parts_first_under_a_qk_norm_is_heads_spl
     assert check(_PartsFirst, kind="multihead").ok
     bad = check(lambda: _PartsFirst(slip=True), kind="multihead")
     assert outcome(bad) == ("queries", "heads_split"), bad.to_text(color=False)
+
+
+# ---------------------------------------------------------------- m26
+
+
+class _FoldedGroups(nn.Module):
+    """Fast-LLM's backup attention: each key/value group's query heads folded into its
+    rows, ``(b*groups, tokens*heads_per_group, d)``, complex-format rotary; ``window``: the
+    keys a query sees, ``wide`` one more than its configuration says."""
+
+    def __init__(self, wide=False):
+        super().__init__()
+        torch.manual_seed(43)
+        self.window_size, self.wide = 4, wide
+        self.query, self.key_value = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+        self.dense = nn.Linear(32, 32, bias=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.query(x).unflatten(-1, (4, 8))
+        k, v = self.key_value(x).unflatten(-1, (4, 8)).chunk(2, dim=2)  # 2 groups
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * 1e4 ** (
+            -torch.arange(0, 8, 2, dtype=torch.float64) / 8
+        )
+        turn = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+
+        def rot(t):
+            c = torch.view_as_complex(t.double().unflatten(-1, (-1, 2)).contiguous()) * turn
+            return torch.view_as_real(c).flatten(-2).to(t.dtype)
+
+        q, k = rot(q), rot(k)
+        q = q.unflatten(2, (2, 2)).transpose(1, 2).reshape(b * 2, n * 2, 8)
+        k, v = (t.movedim(1, 2).flatten(0, 1) for t in (k, v))
+        s = torch.baddbmm(
+            torch.empty(b * 2, n * 2, n), q, k.transpose(-1, -2), beta=0, alpha=8**-0.5
+        )
+        s = s.view(b, 2, n, 2, n)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        seen = (j <= i) & (i - j < self.window_size + (1 if self.wide else 0))
+        s = torch.where(seen[None, None, :, None, :], s, torch.finfo(s.dtype).min)
+        y = torch.bmm(s.softmax(-1).view(b * 2, n * 2, n), v).view(b, 2, n, 2, 8)
+        return self.dense(y.permute(0, 2, 1, 3, 4).flatten(2))
+
+
+def test_query_heads_folded_into_their_groups_rows_are_read():
+    """The rotation is read on queries laid out (b*groups, tokens*heads_per_group, d) (it
+    had been refused as a rotation not read), and a window one key too wide is named."""
+    report = check(_FoldedGroups, kind="causal-multihead")
+    assert report.ok and report.structure["kv_heads"] == 2, report.to_text(color=False)
+    bad = check(lambda: _FoldedGroups(wide=True), kind="causal-multihead")
+    assert outcome(bad) == ("masked_scores", "window_size"), bad.to_text(color=False)

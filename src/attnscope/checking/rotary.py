@@ -200,6 +200,11 @@ def _as_heads(u: T, b: int, h: int, n: int, d: int) -> list[T]:
             out.append(u.reshape(b, n, h, d).transpose(1, 2))
         if tuple(u.shape) == (h, b * n, d):  # the same, heads first
             out.append(u.reshape(h, b, n, d).transpose(0, 1))
+        g, rest = divmod(u.shape[0], b)
+        if not rest and 1 <= g < h and h % g == 0 and tuple(u.shape[1:]) == (n * (h // g), d):
+            # each key/value group's query heads folded into its rows, token-major
+            # (Fast-LLM's and Megatron's grouped attention: (b*g, tokens*heads_per_group, d))
+            out.append(u.reshape(b, g, n, h // g, d).transpose(2, 3).reshape(b, h, n, d))
     elif u.dim() == 2 and tuple(u.shape) == (b * n, h * d):
         out.append(u.reshape(b, n, h, d).transpose(1, 2))
     return out
