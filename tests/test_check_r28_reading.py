@@ -1,15 +1,18 @@
-"""Readings asked for by the first runs of rounds 28-33 and model rounds m21-m26. Round 28 and model round m21: keys rotated at
-positions that are no run (a ring buffer's slot), positions restarting each patch on both
-sides; a scale landed on the ALiBi bias instead of the scores (baddbmm's beta and alpha
-swapped); a norm over the merged heads before the output projection (a sub-LayerNorm);
-a model that shifts its token ids right before looking them up. And of round 29 and m22:
-q, k and v side by side in every column triple; attention on blocks of the tokens; an
-RMSNorm written with ``F.normalize``; the future split off an ALiBi mask and zeroed after
-the softmax; a 0/1 mask added; a decoding step that writes its key into a copy, or scores
-the cached keys apart from its own. And of round 30 and m23: a mask broadcast between the
-query and key axes, or in a layout not read; a cross layer's norm on its queries' side;
-a window in keys beside the pair converted from it; heads cut wrongly after a full-width
-norm; clipped projections; a decoding divergence a non-causal layer explains."""
+"""Readings asked for by the first runs of rounds 28-33 and model rounds m21-m26.
+
+Round 28 and m21: keys rotated at positions that are no run (a ring buffer's slot),
+positions restarting each patch on both sides; a scale landed on the ALiBi bias instead of
+the scores (baddbmm's beta and alpha swapped); a norm over the merged heads before the
+output projection (a sub-LayerNorm); a model that shifts its token ids right before looking
+them up. Round 29 and m22: q, k and v side by side in every column triple; attention on
+blocks of the tokens; an RMSNorm written with ``F.normalize``; the future split off an
+ALiBi mask and zeroed after the softmax; a 0/1 mask added; a decoding step that writes its
+key into a copy, or scores the cached keys apart from its own. Round 30 and m23: a mask
+broadcast between the query and key axes, or in a layout not read; a cross layer's norm
+on its queries' side; a window in keys beside the pair converted from it; heads cut wrongly
+after a full-width norm; clipped projections; a decoding divergence a non-causal layer
+explains. Round 31: a combined projection reshaped parts-first under a QK norm; an ALiBi
+mask whose future is 0. m26: query heads folded into their group's rows."""
 
 from __future__ import annotations
 
