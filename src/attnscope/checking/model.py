@@ -474,20 +474,22 @@ def _explained_by_the_layer(decoded, reports: dict, host: ModelHost, model: nn.M
     if report is None or report.ok:
         return decoded
     layer = model.get_submodule(decoded.layer)
-    seen: list[torch.Tensor] = []
-    hook = layer.register_forward_hook(lambda m, a, out: seen.append(first_tensor(out)))
+    runs: list[list[torch.Tensor]] = []
+    hook = layer.register_forward_hook(lambda m, a, out: runs[-1].append(first_tensor(out)))
     try:
         later = ids.clone()
         later[:, -1] = (later[:, -1] + 1) % host.vocab
         for x in (ids, later):
+            runs.append([])  # the layer's first output in each run
             _, err = host.call(x)
             if err is not None:
                 return decoded
     finally:
         hook.remove()
-    if len(seen) < 2 or seen[0] is None or seen[-1] is None or seen[0].shape != seen[-1].shape:
+    firsts = [r[0] if r else None for r in runs]
+    if any(f is None for f in firsts) or firsts[0].shape != firsts[1].shape:
         return decoded
-    a, b = seen[0].detach().double(), seen[-1].detach().double()
+    a, b = firsts[0].detach().double(), firsts[1].detach().double()
     axis = next((i for i, n in enumerate(a.shape) if n == ids.shape[1]), None)
     if axis is None:
         return decoded

@@ -369,6 +369,8 @@ def _token_blocks(st: Structure, tokens: int) -> tuple[str, str | None] | None:
     sizes = [op.output.shape[-2] for op in made if op is not None and op.output.dim() >= 2]
     if len(sizes) < 2 or len(sizes) != len(st.cores) or max(sizes) >= tokens:
         return None
+    if max(sizes) == 1:
+        return None  # one query at a time (the book's loop over queries): not blocks
     where = made[0].location
     return (
         f"attention computed separately on blocks of the tokens ({len(sizes)} computations "

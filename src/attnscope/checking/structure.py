@@ -784,7 +784,7 @@ class _Reader:
             for node in sorted(inputs):
                 made = [
                     self.ops[i]
-                    for i in self.g.ancestors(node)
+                    for i in sorted(self.g.ancestors(node))
                     if i >= start and self.ops[i].leaf is None
                 ]
                 moved = [op for op in made if op.name not in LAYOUT_OPS]
