@@ -45,6 +45,7 @@ from torch import nn
 from ..errors import AttnScopeError
 from .compare import close
 from .dataflow import Graph
+from .features import MATMULS
 from .probe import first_tensor
 from .record import Op, Recorder, short_path
 
@@ -845,10 +846,6 @@ def _layer_operands(rec: Recorder, model: nn.Module, path: str):
     return None
 
 
-#: products the scores are made with
-_PRODUCTS = {"matmul", "__matmul__", "bmm", "einsum"}
-
-
 def _scores_of_unwritten_keys(rec: Recorder, path: str) -> str | None:
     """The line of a product inside the layer ``path`` whose one operand is made from the
     step's token (its queries) and whose other is not (keys read from a cache that nothing
@@ -861,7 +858,7 @@ def _scores_of_unwritten_keys(rec: Recorder, path: str) -> str | None:
         return None
     span = spans[0]
     for op in rec.ops[span.start : span.end]:
-        if op.name not in _PRODUCTS:
+        if op.name not in MATMULS:
             continue
         tensors = [a for a in op.args if rec.ops[a].output.is_floating_point()]
         if len(tensors) != 2 or g.tainted[tensors[0]] == g.tainted[tensors[1]]:

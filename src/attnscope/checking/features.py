@@ -56,7 +56,7 @@ _ADDS |= {"__isub__"}
 #: projection, a step the reference does not have (heads averaged is a mean alone)
 _NORMS = _NORM_CALLS | {"var", "std", "var_mean"}
 #: matrix products
-_MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum"}
+MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum"}
 #: convolutions (over the tokens, where wider than one)
 _CONVS = {"conv1d", "conv2d", "conv3d"}
 #: pooling over the tokens (or a grid of them)
@@ -404,13 +404,7 @@ class Features:
             ]
             made = any(any(self.g.param[a] for a in o.args) for o in before)
             w = getattr(p, "w", None)
-            if (
-                made
-                and isinstance(w, T)
-                and w.dim() >= 2
-                and n in w.shape
-                and p.op.name in _MATMULS
-            ):
+            if made and isinstance(w, T) and w.dim() >= 2 and n in w.shape and p.op.name in MATMULS:
                 self._refuse(
                     "keys and values projected along the tokens axis to a fixed number "
                     "of rows (a projection over the tokens, Linformer's low-rank step)",
@@ -421,7 +415,7 @@ class Features:
             if node is None:
                 continue
             for op in self._path(node, stops):
-                if op.name not in _MATMULS:
+                if op.name not in MATMULS:
                     continue
                 weights = [self.ops[a].output for a in op.args if self.g.param[a]]
                 if any(t.dim() >= 2 and n in t.shape for t in weights):
@@ -748,7 +742,7 @@ class Features:
                 continue
             if not any(a in made for a in op.args) or any(self.g.param[a] for a in op.args):
                 continue
-            if op.name in _MATMULS and sum(a in made for a in set(op.args)) >= 2:
+            if op.name in MATMULS and sum(a in made for a in set(op.args)) >= 2:
                 # no reading of one softmax's weights can hold this layer: refused outright
                 self._refuse(
                     "attention weights made as a product of softmax maps (the softmax "

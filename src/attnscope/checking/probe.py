@@ -601,7 +601,6 @@ class ModuleProbe:
         self._hf_layer_type: str | None = None
         self._rope_probe: list[Call] | None = None
         self._discovery_tokens = 0  # the tokens of the call the structure was read from
-        self._rms_exactly = False  # the QK norm read is an RMSNorm with no factor left over
         self.cross = False  # keys and values from another sequence (a second input)
         self._second_read = False
         self._context_width = 0
@@ -2513,12 +2512,11 @@ class ModuleProbe:
             return options
         kept, exact = [], []
         for w, spec in options:
-            self._rms_exactly = False
             read = self._read_modern(spec, w)
             if read is not None:
-                rope, norm = read
+                rope, norm, rms_exactly = read
                 kept.append((w, dataclasses.replace(spec, rope=rope, qk_norm=norm)))
-                exact.append(norm is not None and self._rms_exactly)
+                exact.append(rms_exactly)
         if exact and exact[0]:
             st.unmodelled = [u for u in st.unmodelled if not u[0].startswith("cosine attention")]
         if not kept:
@@ -2545,9 +2543,12 @@ class ModuleProbe:
             self.notes.append(f"QK norm read from the computation: {kind} {over}")
         return kept
 
-    def _read_modern(self, spec: Spec, w: Weights) -> tuple[Rope | None, QKNorm | None] | None:
+    def _read_modern(
+        self, spec: Spec, w: Weights
+    ) -> tuple[Rope | None, QKNorm | None, bool] | None:
         """What happens between this reading's projected heads and what the scores were
-        made from: a rotation, a norm, both, or nothing; None when that is not it."""
+        made from: a rotation, a norm, both, or nothing, and whether the norm is an RMSNorm
+        with no factor of its own left over; None when that is not it."""
         call = self._rope_call()
         if call is None:
             return None
@@ -2666,14 +2667,14 @@ class ModuleProbe:
             first = next((s for s in normed if not s.misplaced), normed[0])
             gain = {r: (s.gain, s.bias) if s.normed else (None, None) for r, s in sides.items()}
             norm = QKNorm(first.scope, first.kind, *gain["q"], *gain["k"], eps=eps)
-            # an RMSNorm exactly, with no factor of its own left over: F.normalize times
-            # sqrt(d) (TRELLIS's MultiHeadRMSNorm) is that, not cosine attention's unit length
-            self._rms_exactly = all(
-                s.kind == "rms" and abs(s.tables.scale - 1) < 1e-3 for s in normed
-            )
         elif st.qk_norm:
             return None
-        return rope, norm
+        # an RMSNorm exactly, with no factor of its own left over: F.normalize times sqrt(d)
+        # (TRELLIS's MultiHeadRMSNorm) is that, not cosine attention's unit length
+        rms_exactly = bool(normed) and all(
+            s.kind == "rms" and abs(s.tables.scale - 1) < 1e-3 for s in normed
+        )
+        return rope, norm, rms_exactly
 
     def _rope_call(self) -> Call | None:
         """One recorded call on a wider batch, made once: every (token, feature) of a

@@ -415,8 +415,7 @@ def fold_chain(g: Graph, p: Projection, projs: dict[int, Projection]) -> int | N
     if first.w.shape[1] >= min(first.w.shape[0], p.w.shape[1]):
         return None  # not a bottleneck (a low rank): two layers, such as an embedder's
     for later, node in itertools.pairwise(path):
-        users = [o.index for o in g.ops[node + 1 :] if node in o.args]
-        if users != [later]:
+        if not _only_user(g, node, later):
             return None  # read elsewhere too: not only a step on the way
     return path[-1]
 

@@ -40,6 +40,14 @@ def normalise(t: T, kind: str, eps: float) -> T:
     return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _normed_rows(t: T, kind: str, eps: float, gain: T | None, bias: T | None) -> T:
+    """Over the last axis, ``t`` normed then scaled by ``gain`` and shifted by ``bias`` (each
+    as wide as that axis; ``None``, or another width, leaves that part out)."""
+    t = normalise(t, kind, eps)
+    t = t if gain is None or gain.numel() != t.shape[-1] else t * gain.reshape(-1)
+    return t if bias is None or bias.numel() != t.shape[-1] else t + bias.reshape(-1)
+
+
 def _merge(t: T) -> T:
     b, h, n, d = t.shape
     return t.transpose(1, 2).reshape(b, n, h * d)
@@ -93,9 +101,7 @@ class QKNorm:
         """A norm over the whole projection (``scope`` full) on ``(B, T, H*D)`` before the
         heads are cut: where they are cut wrongly, the norm still saw each token's row."""
         gain, bias = (self.q_gain, self.q_bias) if role == "q" else (self.k_gain, self.k_bias)
-        t = normalise(flat, self.kind, self.eps)
-        t = t if gain is None or gain.numel() != t.shape[-1] else t * gain.reshape(-1)
-        return t if bias is None or bias.numel() != t.shape[-1] else t + bias.reshape(-1)
+        return _normed_rows(flat, self.kind, self.eps, gain, bias)
 
 
 @dataclass(eq=False)
@@ -111,9 +117,7 @@ class ContextNorm:
 
     def apply(self, t: T) -> T:
         """``(..., d)`` merged heads, normed."""
-        t = normalise(t, self.kind, self.eps)
-        t = t if self.gain is None else t * self.gain.reshape(-1)
-        return t if self.bias is None else t + self.bias.reshape(-1)
+        return _normed_rows(t, self.kind, self.eps, self.gain, self.bias)
 
 
 def read_context_norm(
@@ -188,10 +192,7 @@ def read_side(
                 try:
                     if scope == "full" and cut is not None:
                         flat, split_as = cut
-                        whole = normalise(flat, kind, eps)
-                        whole = whole if gain is None else whole * gain.reshape(-1)
-                        whole = whole if bias is None else whole + bias.reshape(-1)
-                        t = fit_tables(split_as(whole), u)
+                        t = fit_tables(split_as(_normed_rows(flat, kind, eps, gain, bias)), u)
                         if t is not None:
                             consider(NormSide(t, True, scope, kind, gain, bias))
                         continue
