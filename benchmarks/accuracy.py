@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import structure_differences  # noqa: E402  (the tests' own comparison)
+from conftest import layer_of, structure_differences  # noqa: E402  (the tests' own)
 
 
 def expectations(folder: Path) -> list[tuple[Path, dict]]:
@@ -51,6 +51,7 @@ def judge(path: Path, expect: dict, infer: bool, timeout: float) -> tuple[str, s
         return "refused", said
     except Exception as exc:  # a crash is what this measures
         return "crash", f"{type(exc).__name__}: {exc}"[:200]
+    report = layer_of(report, expect.get("layer"))  # one layer of a whole model
     got = (
         "ok" if report.ok else f"{report.first_failure.stage.value}/{report.first_failure.mistake}"
     )

@@ -37,6 +37,24 @@ def outcome(report) -> tuple:
     return (report.first_failure.stage.value, report.first_failure.mistake)
 
 
+def layer_of(report, layer: str | None):
+    """A single-layer case's verdict where the checker answered with a whole model's report
+    (a decoder of vectors holding self- and cross-attention): the first failing layer's
+    report where one fails, else the report of ``layer`` (the one the case names), each with
+    its module path; any other report as it is."""
+    import dataclasses
+
+    from attnscope.checking.report import ModelReport
+
+    if not isinstance(report, ModelReport):
+        return report
+    paths = dict(report.layers)
+    path = report.first_layer if not report.ok and report.first_layer else layer
+    if path not in paths:  # the case names a layer the model does not run: its first
+        path = report.layers[0][0]
+    return dataclasses.replace(paths[path], layer=path)
+
+
 def structure_differences(want: dict, got: dict) -> str:
     """The fields of the expected ``structure`` the report read otherwise ('' if none)."""
     wrong = []

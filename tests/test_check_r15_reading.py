@@ -76,11 +76,16 @@ class _DecoderBlock(nn.Module):
         return x
 
 
-def test_kind_cross_on_a_block_whose_first_layer_is_self_attention_names_the_cross_one():
+def test_kind_cross_on_a_block_whose_first_layer_is_self_attention_checks_both_layers():
     """It had judged the self-attention layer as a cross layer reading the wrong source (a
-    false alarm): refused, naming the layer that reads the second sequence."""
-    with pytest.raises(AttnScopeError, match="'encoder_attn' does"):
-        check(lambda: _DecoderBlock(), kind="cross")
+    false alarm), then refused naming the cross layer; now the block is checked as the two
+    layers it runs when handed encoder states, each with its own kind."""
+    report = check(lambda: _DecoderBlock(), kind="cross")
+    assert report.ok, report.to_text(color=False)
+    assert [(p, r.kind) for p, r in report.layers] == [
+        ("self_attn", "causal-multihead"),
+        ("encoder_attn", "cross"),
+    ]
 
 
 class _PrefixLM(nn.Module):

@@ -8,7 +8,15 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import ROOT, expectations, outcome, structure_differences, target_of, wanted
+from conftest import (
+    ROOT,
+    expectations,
+    layer_of,
+    outcome,
+    structure_differences,
+    target_of,
+    wanted,
+)
 
 from attnscope import AttnScopeError, ModelReport, check
 
@@ -26,10 +34,6 @@ _OPEN = {
     "'global' while the config's list says local for it; the layer holds the global type it "
     "was given and a window size beside it, as a global layer of a mixed model does by "
     "design: nothing tells the slip from that (passed)",
-    "r33/c08_cosyvoice_decoder_src_attn": "refused: a decoder model of vectors that takes the "
-    "encoder's memory as a second required input (two-input models are not driven yet)",
-    "r33/c10_cosyvoice_src_attn_single_kv_head": "refused: the same two-input decoder model",
-    "r33/b17_cosyvoice_src_attn_kv_from_tgt": "refused: the same two-input decoder model",
     # round 31's first run (commit b3b03c6)
     "r31/b21_step1_future_filled_with_zero": (
         "inferred",
@@ -125,9 +129,6 @@ _OPEN = {
     "r15/b16_gemma3_vmap_layer_type_string": "a window declared in the config's layer_types "
     "and never applied, because the layer compares its type with a misspelt string: a global "
     "layer of the same config computes the same (passed as correct)",
-    "r15/c05_moonshine_decoder_encoder_attn": "a decoder block holding self- and "
-    "cross-attention: the first layer is checked (and, with --kind cross, refused naming the "
-    "cross layer)",
     "r15/r03_stick_breaking_attention": "stick-breaking weights judged not_softmax, not refused",
     # round 16's first run (commit a21c147, checker f060f41)
     "r16/b05_te_window_size_not_minus_one": "window_size=(8, 0) is TransformerEngine's "
@@ -384,6 +385,7 @@ def _judge(path, expect, infer):
     if expect.get("unsupported") == "model":  # several layers: checked now, layer by layer
         assert isinstance(report, ModelReport) and report.ok, report.to_text(color=False)
         return
+    report = layer_of(report, expect.get("layer"))  # one layer of a whole model
     # a correct layer whose feature is modelled now: judged, and correct
     want = ("ok",) if expect.get("unsupported") else wanted(expect)
     assert outcome(report) == want, report.to_text(color=False)

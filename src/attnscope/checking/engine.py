@@ -93,7 +93,8 @@ def check(
                     return _not_decoded(report, tgt, decode)
                 except AttnScopeError as exc:
                     if _a_model(tgt, exc):
-                        return check_model(tgt, seed, timeout, tokens, kind, decode)
+                        second = getattr(exc, "second", None)
+                        return check_model(tgt, seed, timeout, tokens, kind, decode, second)
                     own = _with_its_defaults(tgt, init, seed, exc)
                     if own is None:
                         raise

@@ -438,9 +438,17 @@ class Features:
         )
         for role in ("k", "v"):
             for p in s.roles[role]:
-                if q and self.g.roots(p.input_node) != q:
-                    if not (self.g.roots(p.input_node) - q):
+                roots = self.g.roots(p.input_node)
+                if q and roots != q:
+                    if not (roots - q):
                         continue  # a mix of the queries' own input: not another sequence
+                    if roots & q:  # the queries' input and another sequence, together
+                        self._unmodelled(
+                            f"the {'keys' if role == 'k' else 'values'} made from the input "
+                            "joined to another sequence (a memory or prefix beside the "
+                            "tokens, Transformer-XL's)",
+                            p.op.location,
+                        )
                     s.cross = p.op.location  # keys and values from another sequence
 
     def _path(self, node: int, stops: set[int]) -> list[Op]:

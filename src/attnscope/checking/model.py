@@ -21,12 +21,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import AttnScopeError
-from ..stages import Kind
+from ..stages import Kind, Stage
 from .compare import close
 from .decode import PROMPT, START, STEPS, check_decoding, decode_protocol
 from .probe import BATCH, ModuleProbe, first_tensor
 from .record import Recorder, tensors_in
-from .report import CheckReport, ModelReport
+from .report import CheckReport, Failure, ModelReport, StageCheck
 from .structure import attention_layers
 from .target import Target, call_safely
 
@@ -144,9 +144,7 @@ def _looked_up_vocabulary(model: nn.Module, timeout: float | None) -> int | None
     look-up on token ids reads (:class:`_TableLookup`); None where it looks none up."""
     ids = torch.zeros(BATCH, 7, dtype=torch.long)  # id 0 is in every vocabulary
     watch = _TableLookup(model, ids)
-    extra = {"use_cache": False} if _takes(model, "use_cache") else {}
-    if _required(model, START):
-        extra[START] = 0
+    extra = _call_extras(model, ids, _model_width(model), second_inputs(model))
 
     def run():
         with watch:
@@ -186,16 +184,19 @@ class ModelHost:
     _arguments: dict = dataclasses.field(default_factory=dict)
     #: a model of vectors that takes them tokens first, ``(T, B, d)`` (see :func:`_tokens_first`)
     tokens_first: bool = False
+    #: the inputs its forward is handed another sequence in (:meth:`memory`): those it
+    #: requires (:func:`second_inputs`), or the optional one that runs its cross-attention
+    sequences: list[str] = dataclasses.field(default_factory=list)
 
     def call(self, x: torch.Tensor):
         """Run the model on ``x`` (ids or vectors): ``(output, None)`` or ``(None, error)``.
 
         Without its key/value cache: the arguments a layer gets are replayed to it many
         times, and a cache would grow with every replay. A forward that needs the position
-        its tokens start at (Meta's Llama: ``forward(tokens, start_pos)``) gets 0."""
-        extra = {"use_cache": False} if _takes(self.model, "use_cache") else {}
-        if _required(self.model, START):
-            extra[START] = 0
+        its tokens start at (Meta's Llama: ``forward(tokens, start_pos)``) gets 0; one that
+        requires a second sequence (a decoder's ``forward(tgt, memory)``) gets
+        :meth:`memory`."""
+        extra = _call_extras(self.model, x, self.width, self.sequences, self.memory)
         result, err = call_safely(self.model, x, timeout=self.timeout, **extra)
         return (None, err) if err is not None else (first_tensor(result), None)
 
@@ -210,6 +211,16 @@ class ModelHost:
             else:
                 self._inputs[(b, n)] = torch.randn(b, n, self.width, generator=g)
         return self._inputs[(b, n)]
+
+    def memory(self, b: int, n: int) -> torch.Tensor:
+        """The second sequence a model that requires one gets beside its input of ``b``
+        sequences of ``n`` tokens (an encoder's output for a decoder): ``(b, n + 3, width)``,
+        longer than the input (keys or values read from the wrong one then show), the same
+        tensor every time."""
+        if ("memory", b, n) not in self._inputs:
+            g = torch.Generator().manual_seed(self.seed + 104729 + 7919 * b + n)
+            self._inputs[("memory", b, n)] = torch.randn(b, n + 3, self.width, generator=g)
+        return self._inputs[("memory", b, n)]
 
     def arguments(self, layer: nn.Module, b: int, n: int) -> tuple[tuple, dict] | str:
         """What the model hands ``layer`` for an input of that size: ``(args, kwargs)``, or
@@ -295,6 +306,39 @@ def _required(module: nn.Module, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return p is not None and p.default is p.empty
+
+
+def second_inputs(module: nn.Module) -> list[str]:
+    """The parameters of ``module``'s forward after its input that have no default and are
+    not masks, positions or a start: the sequences it requires beside its input (a decoder's
+    ``forward(tgt, memory)``, a Whisper-style ``forward(tokens, xa)``)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return []
+    return [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and not re.search(r"mask|pos|start|cache", p.name)
+    ]
+
+
+def _call_extras(
+    model: nn.Module, x: torch.Tensor, width: int | None, sequences: list[str], memory=None
+) -> dict:
+    """The arguments besides ``x`` a model is called with: no cache, its start position 0,
+    and another sequence in each of ``sequences`` (``memory(b, n)``; by default vectors
+    ``(b, n + 3, width)`` drawn here)."""
+    extra: dict = {"use_cache": False} if _takes(model, "use_cache") else {}
+    if _required(model, START):
+        extra[START] = 0
+    if sequences and width is not None:
+        b, n = x.shape[:2]
+        for name in sequences:
+            extra[name] = memory(b, n) if memory is not None else torch.randn(b, n + 3, width)
+    return extra
 
 
 def _tokens_first(host: ModelHost) -> bool:
@@ -509,6 +553,72 @@ def _explained_by_the_layer(decoded, reports: dict, host: ModelHost, model: nn.M
     )
 
 
+def _handed_context(host: ModelHost, probe: ModuleProbe, x: torch.Tensor, memory):
+    """The other sequence the model hands ``probe``'s cross layer when it runs on ``x`` with
+    ``memory`` beside it (None where the layer is not called)."""
+    seen = []
+
+    def grab(mod, args, kwargs):
+        k = probe._cross_key
+        seen.append(args[k] if isinstance(k, int) and k < len(args) else kwargs.get(k))
+
+    extra = _call_extras(host.model, x, host.width, host.sequences, lambda b, n: memory)
+    hook = probe.module.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        call_safely(host.model, x, timeout=host.timeout, **extra)
+    finally:
+        hook.remove()
+    return seen[0] if seen and isinstance(seen[0], torch.Tensor) else None
+
+
+def _memory_unread(reports, probes, host: ModelHost):
+    """A model handed a second sequence (a decoder's ``memory``) that hands one of its
+    cross-attention layers, as the keys' and values' sequence, one as long as its own input
+    (not the memory's length) that changes with that input: the decoder's own hidden
+    states, pasted from the self-attention call. That layer's keys come from the wrong
+    source, whatever the layer computes from them. (A memory joined to the hidden states,
+    Transformer-XL's, is as long as neither.)"""
+    names = host.sequences
+    if not names or host.width is None:
+        return reports
+    g = torch.Generator().manual_seed(host.seed + 3)
+    n, m = 5, 8  # the input's tokens, the memory's
+    memory = torch.randn(BATCH, m, host.width, generator=g)
+    one = host.input(BATCH, n)
+    two = (
+        torch.randint(0, host.vocab, one.shape, generator=g)
+        if host.vocab is not None
+        else torch.randn(one.shape, generator=g)
+    )
+    out = list(reports)
+    for i, probe in enumerate(probes):
+        path, report = out[i]
+        if not probe.cross or probe._cross_key is None or not report.ok:
+            continue
+        a, b = (_handed_context(host, probe, x, memory) for x in (one, two))
+        if a is None or b is None or a.shape != b.shape or torch.equal(a, b):
+            continue
+        if n not in a.shape or m in a.shape:
+            continue
+        detail = (
+            f"the model hands {path!r} the sequence its keys and values read (argument "
+            f"{probe._cross_key!r}) as long as its own input and changing with it, not the "
+            f"{' or '.join(map(repr, names))} it takes beside it: the keys are made from the "
+            "decoder's own hidden states"
+        )
+        checks = [c for c in report.checks if c.stage.order < Stage.KEYS.order]
+        checks.append(StageCheck(Stage.KEYS, False, detail))
+        failed = dataclasses.replace(
+            report,
+            ok=False,
+            checks=checks,
+            first_failure=Failure(Stage.KEYS, "wrong_source", detail[0].upper() + detail[1:]),
+        )
+        out[i] = (path, failed)
+        break  # the first such layer is the finding
+    return out
+
+
 def _model_width(model: nn.Module) -> int | None:
     for p in model.parameters():
         if p.dim() == 2:
@@ -523,17 +633,23 @@ def check_model(
     tokens: int | None,
     kind=None,
     decode: str | None = None,
+    second: str | None = None,
 ) -> ModelReport:
     """Every attention layer of ``tgt.obj``, checked where it sits (see the module doc), and
     cached decoding against the full pass (``decode``: the protocol, see
-    :data:`.decode.PROTOCOLS`; by default read from the model)."""
+    :data:`.decode.PROTOCOLS`; by default read from the model). ``second``: an optional
+    input of its forward handed another sequence as well as those it requires (a decoder
+    block's ``encoder_hidden_states``, which runs its cross-attention)."""
     model = tgt.obj
     model.eval()
     vocab = token_vocabulary(model, timeout)
-    width = None if vocab is not None else _model_width(model)
+    # the width of the vectors a model of vectors takes, and of the second sequence one
+    # that requires it gets (a decoder's memory)
+    width = _model_width(model)
     gen = torch.Generator().manual_seed(seed + 2)
     n = tokens or 7
-    probe_host = ModelHost(model, "", vocab, width, timeout)
+    sequences = [*second_inputs(model), *([second] if second else [])]
+    probe_host = ModelHost(model, "", vocab, width, timeout, sequences=sequences)
     if vocab is None and width is not None:
         probe_host.tokens_first = _tokens_first(probe_host)
     x = probe_host.input(BATCH, n, gen)
@@ -542,6 +658,8 @@ def check_model(
     # its parent: ChatGLM's core_attention)
     leaves = {id(p): f"param:{n}" for n, p in model.named_parameters()}
     leaves[id(x)] = "input:0"
+    if sequences:
+        leaves[id(probe_host.memory(BATCH, n))] = "input:memory"
     rec = Recorder(leaves, model)
     with rec:
         out, err = probe_host.call(x)
@@ -566,7 +684,7 @@ def check_model(
     if not paths:
         raise AttnScopeError(f"{tgt.text}: found no attention layer in the model's computation")
     layers = [model.get_submodule(p) for p in paths]
-    host = ModelHost(model, "", vocab, width, timeout, layers, seed)
+    host = ModelHost(model, "", vocab, width, timeout, layers, seed, sequences=sequences)
     host.tokens_first = probe_host.tokens_first
     reports: list[tuple[str, CheckReport]] = []
     probes: list[ModuleProbe] = []
@@ -578,6 +696,7 @@ def check_model(
         probes.append(probe)
     if kind is not None and any(p.cross for p in probes):
         reports = _encoder_inferred(reports, probes, layers, tgt, host, seed, timeout, tokens)
+    reports = _memory_unread(reports, probes, host)
     if kind is None:
         reports = _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens)
     decoded = None

@@ -54,6 +54,7 @@ from .reference import Spec, Weights, project, split
 from .report import CheckReport, single_head
 from .rotary import Rope, as_heads, fit_tables, read_rope
 from .structure import (
+    SeveralLayers,
     Structure,
     attention_cores,
     keys_named_first,
@@ -646,28 +647,21 @@ class ModuleProbe:
         x = torch.randn(BATCH, tokens, binding.d_in, generator=self.gen)
         self.calls = self._probe(x)
         given = self.kind
-        if self.host is not None and (self.cross or self._unread_context is not None):
-            # a model's --kind is its self-attention layers': this one's is read
+        reads_two = self.cross or self._unread_context is not None
+        if self.host is not None and (reads_two or (self.kind is not None and self.kind.cross)):
+            # a model's --kind is its self-attention layers' (or, cross, its cross layers'):
+            # this one's is read
             self.kind = None
+        if self.kind is None or self.kind.cross:
+            self._self_and_cross(x)
         if self.kind is None:
             self.kind, self.kind_reason = self._infer_kind(binding, st, tokens)
             if given is not None and given != self.kind:
-                self.kind_reason += (
-                    f" (the model's kind, {given}, applies to its self-attention layers)"
-                )
+                which = "cross-attention" if Kind.of(given).cross else "self-attention"
+                self.kind_reason += f" (the model's kind, {given}, applies to its {which} layers)"
         else:
             self.kind_reason = "given (--kind, or kind= from Python)"
             if self.kind.cross and not self.cross:
-                elsewhere = self._cross_elsewhere(x)
-                if elsewhere is not None:
-                    # the layer found does not read the second sequence, yet the target
-                    # does, in another attention layer: that one is the cross layer
-                    raise Unsupported(
-                        f"{self.tgt.text}: not supported yet: --kind cross, and the attention "
-                        f"layer found first ({self.entry.path!r}) reads no second sequence "
-                        f"while {elsewhere!r} does (a decoder block holding self- and "
-                        "cross-attention): check the cross-attention layer itself"
-                    )
                 self._expect_second_sequence()
                 self.calls = self._probe(x)
             if self.kind.causal and self.adapter["hf"]:
@@ -1071,6 +1065,8 @@ class ModuleProbe:
             key = self._cross_argument(x, others)
             if key is not None:
                 return self._discover_cross_in_model(x, key)
+        if others and st.cores:
+            st.unmodelled += self._unmodelled_with_others(x, others, st)
         self._unread_context = self._unread_sequence_in_model(x, out, others)
         # a layer that goes on past its output projection (ALBERT's attention adds its input
         # and norms the sum): its output is taken at the projection
@@ -1078,6 +1074,21 @@ class ModuleProbe:
         if e.as_given:  # ``out`` is what it returned
             self.exit = self._exit(st, rec, out)
         return st
+
+    def _unmodelled_with_others(self, x: torch.Tensor, others: dict, st: Structure) -> list:
+        """What the layer computes that is not modelled and shows only once the other
+        sequences the model hands it are known as inputs (keys made from its hidden states
+        joined to a memory the model hands it: Transformer-XL's ``cat([mems, h])``)."""
+        marks = {id(a): f"input:{k + 1}" for k, a in enumerate(others.values())}
+        rec = self._recorder(x)
+        rec.leaves.update(marks)
+        with rec:
+            _, err = self._invoke_layer(x)
+        try:
+            seen = read_structure(rec, self.module) if err is None else None
+        except AttnScopeError:
+            return []
+        return [] if seen is None else [u for u in seen.unmodelled if u not in st.unmodelled]
 
     def _cross_argument(self, x: torch.Tensor, others: dict):
         """A model's layer with no attention read from its hidden states alone: the argument
@@ -1165,6 +1176,25 @@ class ModuleProbe:
         except (TypeError, ValueError):
             return None
         return params[position].name if position < len(params) else None
+
+    def _self_and_cross(self, x: torch.Tensor) -> None:
+        """A target whose optional second input, handed another sequence, runs a second
+        attention layer that reads it (a decoder block or decoder of vectors: self-attention,
+        then cross-attention over the encoder's output) while the layer found reads none: a
+        model of two kinds of layer, checked layer by layer with that sequence handed in
+        (raises :class:`SeveralLayers`)."""
+        if self.host is not None or self.cross or not self.adapter.get("optional_second"):
+            return
+        name = self._second_name()
+        elsewhere = self._cross_elsewhere(x) if name is not None else None
+        if elsewhere is None:
+            return
+        exc = SeveralLayers(
+            f"{self.tgt.text}: holds self-attention ({self.entry.path!r}) and, when handed "
+            f"{name}, cross-attention ({elsewhere!r}): checked as a model, layer by layer"
+        )
+        exc.second = name
+        raise exc
 
     def _cross_elsewhere(self, x: torch.Tensor) -> str | None:
         """The path of another attention layer of the target that reads a second sequence,

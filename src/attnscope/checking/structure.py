@@ -249,7 +249,11 @@ def _fused_sdpa(op: Op) -> Core | None:
 
 
 class SeveralLayers(AttnScopeError):
-    """The target holds several attention layers in a row: a model, checked layer by layer."""
+    """The target holds several attention layers in a row: a model, checked layer by layer.
+    ``second``: the name of the optional input of its forward that, handed another
+    sequence, runs them (a decoder block's ``encoder_hidden_states``), where it takes one."""
+
+    second: str | None = None
 
 
 def attention_layers(rec: Recorder, root: nn.Module) -> list[str]:
