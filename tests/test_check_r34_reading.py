@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import outcome
 from torch import nn
 
 from attnscope import AttnScopeError, check
@@ -181,3 +182,106 @@ def test_a_layer_handed_a_sequence_joined_by_its_parent_is_cross_attention_over_
     report = check(_JoinedMemoryModel(joined_outside=True))
     assert report.ok, report.to_text(color=False)
     assert _layers(report) == {"layers.0": (True, "cross"), "layers.1": (True, "cross")}
+
+
+class _Multiplied(nn.Module):
+    """Causal attention, 4 heads of 16, whose keys are multiplied by ``factor`` on their way
+    to the scores (Falcon-H1's muP ``key_multiplier``), the scores then scaled by
+    ``scale`` (1/sqrt(16) where None)."""
+
+    def __init__(self, factor: float, scale: float | None = None):
+        super().__init__()
+        torch.manual_seed(37)
+        self.factor, self.scale = factor, 0.25 if scale is None else scale
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, 4, 16).transpose(1, 2) for p in (self.q, self.k, self.v))
+        k = k * self.factor
+        s = (q @ k.transpose(-1, -2)) * self.scale
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 64))
+
+
+def test_a_constant_multiplier_on_the_keys_that_is_no_power_of_a_size_is_the_weights():
+    """Falcon-H1's key_multiplier (0.390625) is part of the keys' weights, not a wrong scale
+    (a false alarm on the correct layer); the note says how it was read."""
+    report = check(_Multiplied(0.390625), kind="causal-multihead")
+    assert report.ok, report.to_text(color=False)
+    assert any("0.390625" in n and "muP" in n for n in report.notes), report.notes
+
+
+@pytest.mark.parametrize(("factor", "scale"), [(0.25, 0.25), (0.390625, 1 / 8)])
+def test_the_scale_applied_twice_or_wrong_beside_a_multiplier_is_still_wrong_scale(factor, scale):
+    """A factor that is a power of the sizes (1/sqrt(d_k) on the keys, then again on the
+    scores) is the scale applied twice; beside a muP multiplier, a scale of 1/sqrt(d_in)
+    is still a wrong one."""
+    report = check(_Multiplied(factor, scale), kind="causal-multihead")
+    assert outcome(report) == ("scaled_scores", "wrong_scale"), report.to_text(color=False)
+
+
+class _KeysFromNormedQueries(nn.Module):
+    """Cross-attention whose keys and values read ``norm(x)``, the queries' own input normed,
+    where ``norm(context)`` belongs (V-JEPA 2's pooler block, pasted)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(38)
+        self.q, self.kv, self.o = nn.Linear(64, 64), nn.Linear(64, 128), nn.Linear(64, 64)
+        self.norm = nn.LayerNorm(64)
+
+    def forward(self, x, context):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, 4, 16).transpose(1, 2)
+        k, v = self.kv(self.norm(x)).view(b, n, 2, 4, 16).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, n, 64))
+
+
+def test_keys_and_values_from_a_transform_of_the_queries_input_read_from_the_wrong_source():
+    """The keys' projection reads a norm of the queries' input, not the context: the
+    ``wrong_source`` reading takes that tensor as what the keys were projected from."""
+    report = check(_KeysFromNormedQueries(), kind="cross")
+    assert outcome(report) == ("keys", "wrong_source"), report.to_text(color=False)
+
+
+class _LargeBase(nn.Module):
+    """Causal rotary attention (halves pairing, 4 heads of 16) with base 1e11 (Falcon-H1's):
+    its last pairs turn by about 1e-10 a position."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(39)
+        self.qkv, self.o = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        inv = 1e11 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * inv
+        cos, sin = (torch.cat((t, t), -1).to(x.dtype) for t in (ang.cos(), ang.sin()))
+
+        def turn(t):
+            return t * cos + torch.cat((-t[..., 8:], t[..., :8]), -1) * sin
+
+        y = nn.functional.scaled_dot_product_attention(turn(q), turn(k), v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, n, 64))
+
+
+def test_a_base_whose_slowest_pairs_read_as_noise_is_still_read():
+    """Base 1e11: the slowest pairs' rates read as noise about zero (one below it); the base
+    is fitted on the pairs that turn measurably, the rest held below the noise."""
+    report = check(_LargeBase())
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["rope"] == {"pairing": "half", "fraction": 1.0, "base": 1e11}
+
+
+def test_a_passing_report_walks_the_modern_stages_the_layer_has():
+    """A correct rotary layer's report lists its rotated queries and keys among the checks
+    (they were listed only where one failed); a layer without them lists none."""
+    stages = [c.stage.value for c in check(_LargeBase()).checks]
+    assert stages[:5] == ["queries", "keys", "values", "rotated_queries", "rotated_keys"]
+    assert all(c.ok for c in check(_LargeBase()).checks)
+    plain = [c.stage.value for c in check(_Multiplied(0.390625)).checks]
+    assert not [s for s in plain if s.startswith(("rotated", "normed", "biased"))]

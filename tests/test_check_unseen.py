@@ -29,6 +29,11 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 34's first run (commit a10c84b)
+    "r34/b18_vjepa2_pooler_kv_from_queries": "the block hands its cross layer norm(q) where "
+    "norm(context) belongs: inside a wrapper the block's own hidden states are no input the "
+    "record knows, so the keys' projection is not read and the slip shows at the context "
+    "(context/other)",
     # round 33's first run (commit c15bc3e)
     "r33/b09_tl_block_forces_global_attn_type": "the block builds its layer with attn_type "
     "'global' while the config's list says local for it; the layer holds the global type it "
@@ -302,6 +307,8 @@ _FEATURE_WORDS = {
     "windowed_blocks": "blocks of the tokens",
     "sink_window_mask": "mask of another pattern",
     "block_causal_mask": "mask of another pattern",
+    "rope_3d": "rotary",  # round 34
+    "packed_block_diagonal_mask": "mask of another pattern",
     "qkv_clip": "clipped",
     "mot_experts": "different weights for different parts of the input",
     "sqrt_alibi": "not ALiBi's",

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import AttnScopeError
 from .dataflow import LAYOUT_OPS
+from .projections import constant_factor
 from .record import Op
 
 if TYPE_CHECKING:
@@ -495,6 +496,11 @@ class Features:
                     )
                 continue
             if name in LAYOUT_OPS or name not in (_SCALAR_OPS | {"add", "__add__", "sub"}):
+                continue
+            moved = [a for a in op.args if self.g.tainted[a]]
+            factor = constant_factor(self.g, op, moved[0]) if len(moved) == 1 else None
+            if factor is not None:  # one number for every entry: a multiplier, not a position
+                self.s.qk_factors[op.index] = (role, factor, op.location)
                 continue
             consts = [self.ops[a].output for a in op.args if not self.g.tainted[a]]
             varying = [t for t in consts if t.numel() > 1 and not bool((t == t.flatten()[0]).all())]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -53,12 +53,27 @@ class Call:
     record: Recorder | None = field(default=None, repr=False)  # the dataflow of the call
     #: cross-attention: the other sequence as its key/value projections read it, float64
     context: torch.Tensor | None = None
+    #: cross-attention whose key/value projections read, instead, a transform of the
+    #: queries' own input other than what the query projection reads (a block that hands
+    #: its layer ``norm(q)`` where ``norm(context)`` belongs): that tensor, float64
+    kv_own: torch.Tensor | None = None
 
     @property
     def given(self) -> torch.Tensor:
         """The input as the target was given it, ``(B, T, d)`` float64 (``x`` is what the
         projections read: the same, unless the layer transforms its input first)."""
         return self.x if self.probe is None else self.probe
+
+
+#: the stages only some layers have (a QK norm, a rotation, a position bias): shown in a
+#: report where the layer's reference makes them
+_MODERN = (
+    Stage.NORMED_QUERIES,
+    Stage.NORMED_KEYS,
+    Stage.ROTATED_QUERIES,
+    Stage.ROTATED_KEYS,
+    Stage.BIASED_SCORES,
+)
 
 
 def _seen(
@@ -159,6 +174,12 @@ class Judge:
             stages.append(Stage.OUTPUT)
         return stages
 
+    def _shown_stages(self, refs: dict[Stage, torch.Tensor]) -> list[Stage]:
+        """The stages a report walks: the kind's, and the modern ones the reference of this
+        layer has (normed, rotated, biased), in pipeline order."""
+        modern = [st for st in _MODERN if st in refs]
+        return sorted([*self._stage_list(), *modern], key=lambda st: st.order)
+
     def _report(
         self,
         failure: Failure | None,
@@ -171,7 +192,7 @@ class Judge:
     ) -> CheckReport:
         checks: list[StageCheck] = []
         per_head = self.spec is not None and self.spec.num_heads > 1
-        order = self._stage_list()
+        order = self._shown_stages(refs)
         if failure is not None and failure.stage not in order:
             order = sorted([*order, failure.stage], key=lambda st: st.order)
         for stage in order:
@@ -287,7 +308,7 @@ class Judge:
         ops = call.ops + call.sdpa_ops
         found: dict[Stage, Found | None] = {}
         refs: dict[Stage, torch.Tensor] = {}
-        for stage in self._stage_list():
+        for stage in [*self._stage_list(), *_MODERN]:
             t = ref.get(stage.value)
             if t is None:
                 continue
@@ -568,6 +589,10 @@ class Judge:
         are tried in both layouts.
         """
         layouts = [call.batched] + ([True] if not call.batched and mut.user_dim is not None else [])
+        if mut.kv_from_queries and call.kv_own is not None:
+            # the queries' own input as the key/value projections read it
+            _, k, v = project(call.kv_own, self.spec, self.w)
+            proj, mut = (proj[0], k, v), replace(mut, kv_from_queries=False)
         for batched in layouts:
             try:
                 stages = pipeline(call.x, self.spec, self.w, mut, proj, batched=batched)

@@ -88,6 +88,11 @@ class Structure:
     #: projection (Kosmos-2's ``inner_attn_ln``, BitNet's ``attn_sub_norm``): read by the
     #: probe, which refuses it when it is not a plain norm
     out_norm: tuple[int, str, str | None] | None = None
+    #: op index -> (role, factor, line) of a constant the queries or keys are multiplied
+    #: by on their way to the scores (a scale folded in early, Falcon-H1's muP
+    #: ``key_multiplier``); the probe takes one that is no power of the layer's sizes as
+    #: part of the layer's scale (see :meth:`.probe.ModuleProbe._multipliers`)
+    qk_factors: dict[int, tuple[str, float, str | None]] = field(default_factory=dict)
     #: the projections' ops that ``roles`` does not list: one weight applied again to
     #: another sequence of the batch (a loop over the sequences), read as the one it is
     repeats: set[int] = field(default_factory=set)

@@ -1691,6 +1691,30 @@ class ModuleProbe:
                         break
         return given if batched else given.unsqueeze(0)
 
+    def _kv_own(self, rec: Recorder, ctx: torch.Tensor | None) -> torch.Tensor | None:
+        """Cross-attention whose key projections read a transform of the queries' input
+        alone, not what the query projection reads (``norm(q)`` handed where
+        ``norm(context)`` belongs): that tensor, ``(B, T, d)`` float64, for the
+        ``wrong_source`` reading; else None."""
+        if ctx is None:
+            return None
+        try:
+            st = read_structure(rec, self.module)
+        except AttnScopeError:
+            return None
+        if not st.roles["k"] or not st.roles["q"]:
+            return None
+        node, q_node = st.roles["k"][0].input_node, st.roles["q"][0].input_node
+        if node is None or q_node is None or node == q_node or "input:1" in Graph(rec).roots(node):
+            return None
+        # the queries' sequence (inside a wrapper, its own hidden states: the probe is
+        # swapped in for the layer's queries alone), as many tokens as the queries read
+        t, q = rec.ops[node].output, rec.ops[q_node].output
+        if t.shape[:-1] != q.shape[:-1]:
+            return None
+        t = t.detach().to(torch.float64)
+        return t if ctx.dim() == 3 else t.unsqueeze(0)
+
     def _probe(self, x: torch.Tensor, causal_hint: bool = False) -> list[Call]:
         """Call batched, then each sequence alone; keep every call that works."""
         self.causal_hint = causal_hint
@@ -1713,6 +1737,7 @@ class ModuleProbe:
                     x.double(),
                     rec,
                     self._kv_input(rec, ctx),
+                    self._kv_own(rec, ctx),
                 )
             )
         else:
@@ -1738,6 +1763,7 @@ class ModuleProbe:
                         x[:1].double(),
                         rec1,
                         self._kv_input(rec1, ctx1),
+                        self._kv_own(rec1, ctx1),
                     )
                 )
             else:
@@ -2449,6 +2475,38 @@ class ModuleProbe:
             )
         return scale, source
 
+    def _multipliers(self, scale, source: str, b: Binding, heads: int):
+        """The scale, times each constant the queries or keys are multiplied by on their way
+        to the scores that is no power of the layer's sizes (a muP multiplier, Falcon-H1's
+        ``key_multiplier``: the weights' own factor, as if folded into them). A factor that
+        is one (the scale itself, or d_k**-0.25 on both sides) stays for the judge, which
+        names it when it is wrong (the scale applied twice)."""
+        found = getattr(self.structure, "qk_factors", None) or {}
+        hd = b.d_out // heads
+        kv = (self.structure.kv_heads,) if getattr(self.structure, "kv_heads", None) else ()
+        sizes = {hd, b.d_in, b.d_out, heads, *kv}
+        sized = {2.0, 0.5} | {
+            float(n) ** e for n in sizes if n > 1 for e in (-1, -0.5, -0.25, 0.25, 0.5, 1)
+        }
+        if scale is not None:  # the declared scale folded in (Gemma's query_pre_attn_scalar)
+            sized |= {scale, scale**0.5, 1 / scale, scale**-0.5}
+        for role, factor, where in found.values():
+            if any(math.isclose(abs(factor), v, rel_tol=1e-4) for v in sized):
+                continue
+            which = "queries" if role == "queries" else "keys"
+            scale = (hd**-0.5 if scale is None else scale) * factor
+            source = (
+                f"{source or f'1/sqrt(d_k) = 1/sqrt({hd})'} times the constant {factor:.6g} "
+                f"the {which} are multiplied by at {where} (a multiplier of the weights, muP's)"
+            )
+            note = (
+                f"the {which} multiplied by {factor:.6g} at {where}: no power of the layer's "
+                "sizes, read as a multiplier of their weights (muP's), part of the scale"
+            )
+            if note not in self.notes:
+                self.notes.append(note)
+        return scale, source
+
     def _declared_causal(self) -> str | None:
         """A causal layer whose computation shows no mask: it says so in a flag, or holds a
         triangular mask it never applies (the check then names the missing mask)."""
@@ -2502,6 +2560,7 @@ class ModuleProbe:
         out_norm = self._out_norm()
         for h in heads:
             scale, source = self._declared_scale(b.d_out // h)
+            scale, source = self._multipliers(scale, source, b, h)
             for w in b.candidates:
                 hd = b.d_out // h
                 k_width = w.k.shape[1]

@@ -309,7 +309,7 @@ _PASS = {"dropout", "contiguous", "clone", "detach"}
 _SCALE_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__"}
 
 
-def _constant_factor(g: Graph, op: Op, node: int) -> float | None:
+def constant_factor(g: Graph, op: Op, node: int) -> float | None:
     """The one number ``op`` multiplies (or divides) ``node`` by: a Python number or a
     one-element tensor made from neither the input nor anything varying; else None."""
     if op.name not in _SCALE_OPS or op.args.count(node) != 1 or len(op.call_args) != 2:
@@ -350,7 +350,7 @@ def _summand(g: Graph, node: int, projs: dict[int, Projection]) -> tuple[Project
     inner = [a for a in op.args if a in projs]
     if len(inner) != 1 or not _only_user(g, inner[0], node):
         return None
-    factor = _constant_factor(g, op, inner[0])
+    factor = constant_factor(g, op, inner[0])
     if factor is None:
         return None
     p = projs[inner[0]]

@@ -63,21 +63,26 @@ class Rope:
     def base(self) -> float | None:
         """The base of geometric frequencies ``base ** (-2i / rot)``, or None."""
         f = self.inv_freq
-        if len(f) < 2 or min(f) <= 0:
+        # the pairs that turn measurably, fastest first; the slowest of a large base
+        # (1e11's last ones: 1e-10 a position) read as noise around zero, held below
+        pinned = [i for i, v in enumerate(f) if v > _SLOW]
+        if len(pinned) < 2 or pinned != list(range(len(pinned))) or min(f) < -_SLOW:
             return None
         # log f_i = log(1 / factor) - (2i / rot) log base: a line through every pair (a
         # linear position scaling divides every frequency by its factor); float32 tables
         # pin the slow frequencies (tiny angles) only to a few digits
-        xs = [2 * i / self.rot for i in range(len(f))]
-        ys = [math.log(v) for v in f]
-        ws = [v * v for v in f]  # a fast pair's angle is read far more precisely
+        xs = [2 * i / self.rot for i in pinned]
+        ys = [math.log(f[i]) for i in pinned]
+        ws = [f[i] * f[i] for i in pinned]  # a fast pair's angle is read far more precisely
 
         def fits(intercept: float, slope: float) -> bool:
             # a pair that turns by less than _SLOW a position (base 1e8's last ones: 1e-7)
             # is read from float32 products no better than that
             return slope < 0 and all(
-                math.isclose(v, math.exp(intercept + slope * x), rel_tol=3e-2, abs_tol=_SLOW)
-                for x, v in zip(xs, f, strict=True)
+                math.isclose(
+                    v, math.exp(intercept + slope * 2 * i / self.rot), rel_tol=3e-2, abs_tol=_SLOW
+                )
+                for i, v in enumerate(f)
             )
 
         # plain geometric frequencies (log f_i = -x_i log base) first
