@@ -285,3 +285,127 @@ def test_a_passing_report_walks_the_modern_stages_the_layer_has():
     assert all(c.ok for c in check(_LargeBase()).checks)
     plain = [c.stage.value for c in check(_Multiplied(0.390625)).checks]
     assert not [s for s in plain if s.startswith(("rotated", "normed", "biased"))]
+
+
+class _ChunkedQVK(nn.Module):
+    """CodeGen / MOSS-style: one combined projection cut into 4 chunks (one per head), each
+    holding that head's queries, values and keys in that order; causal by a boolean buffer
+    and ``torch.where`` with the dtype's minimum. ``slip``: "diagonal" (the buffer built
+    with ``tril(diagonal=-1)``: each token hides itself, the first row hides everything)."""
+
+    def __init__(self, slip: str | None = None):
+        super().__init__()
+        torch.manual_seed(40)
+        self.slip = slip
+        self.qkv_proj, self.out_proj = nn.Linear(64, 192, bias=False), nn.Linear(64, 64)
+        below = -1 if slip == "diagonal" else 0
+        self.register_buffer("causal", torch.ones(64, 64, dtype=torch.bool).tril(below))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, v, k = self.qkv_proj(x).view(b, n, 4, 48).split(16, dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        s = k @ q.transpose(-1, -2) if self.slip == "transposed" else q @ k.transpose(-1, -2)
+        s = s / 4.0
+        s = torch.where(self.causal[:n, :n], s, torch.finfo(s.dtype).min)
+        y = s.softmax(-1) @ v
+        return self.out_proj(y.transpose(1, 2).reshape(b, n, 64))
+
+
+@pytest.mark.parametrize(
+    ("slip", "want"),
+    [
+        (None, ("ok",)),
+        ("diagonal", ("masked_scores", "mask_diagonal")),
+    ],
+)
+def test_chunks_of_queries_values_keys_are_told_from_a_per_head_reading(slip, want):
+    """Read per head as [q|k|v], the chunks show queries, keys and values too (the keys and
+    values exchanged): the reading whose later stages the record shows is judged, or
+    failing that the one a known mistake explains (round 35's MOSS files: a rotation with
+    the wrong pairing shows no later stage in either). A row whose every key is hidden by a
+    finite fill weighs every key alike (the slip was context/other)."""
+    report = check(_ChunkedQVK(slip), kind="causal-multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+
+
+class _OneGroupFiveAxes(nn.Module):
+    """uni2ts / Moirai-style multi-query attention with heads on two axes: queries
+    ``(b, groups=1, 4, tokens, 16)``, keys and values ``(b, 1, 1, tokens, 16)``, per-head
+    RMSNorm on both, then interleaved rotary (base 1e4)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(41)
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 16), nn.Linear(64, 16)
+        self.o = nn.Linear(64, 64)
+        self.q_gain, self.k_gain = (nn.Parameter(torch.rand(16) + 0.5) for _ in range(2))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, 1, 4, 16).permute(0, 2, 3, 1, 4)
+        k = self.k(x).view(b, n, 1, 1, 16).permute(0, 2, 3, 1, 4)
+        v = self.v(x).view(b, n, 1, 1, 16).permute(0, 2, 3, 1, 4)
+
+        def rms(t, g):
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+
+        inv = 1e4 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * inv
+        cos, sin = (t.repeat_interleave(2, -1).to(x.dtype) for t in (ang.cos(), ang.sin()))
+
+        def turn(t):
+            pair = torch.stack((-t[..., 1::2], t[..., ::2]), -1).flatten(-2)
+            return t * cos + pair * sin
+
+        q, k = turn(rms(q, self.q_gain)), turn(rms(k, self.k_gain))
+        s = q @ k.transpose(-1, -2) / 4.0
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        y = s.softmax(-1) @ v  # (b, 1, 4, n, 16)
+        return self.o(y.permute(0, 3, 1, 2, 4).reshape(b, n, 64))
+
+
+def test_one_key_value_group_on_two_head_axes_is_read_under_a_qk_norm():
+    """The keys ``(b, 1, 1, tokens, d)``, both head axes of size one, are read as one head
+    (they were not, and the correct layer of m28's MQA models was refused as a rotation not
+    read)."""
+    report = check(_OneGroupFiveAxes())
+    assert report.ok, report.to_text(color=False)
+    assert (report.structure["heads"], report.structure["kv_heads"]) == (4, 1)
+    assert report.structure["rope"]["pairing"] == "interleaved"
+
+
+class _Tempered(nn.Module):
+    """Rotary attention whose queries are then multiplied by a factor of their position
+    (Llama 4's attention temperature tuning: ``log(floor((p + 1) / 4) + 1) * 0.1 + 1``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(42)
+        self.qkv, self.o = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        inv = 1e4 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * inv
+        cos, sin = (torch.cat((t, t), -1).to(x.dtype) for t in (ang.cos(), ang.sin()))
+
+        def turn(t):
+            return t * cos + torch.cat((-t[..., 8:], t[..., :8]), -1) * sin
+
+        pos = torch.arange(n, dtype=x.dtype)
+        temper = torch.log(torch.floor((pos + 1) / 4) + 1) * 0.1 + 1
+        q = turn(q) * temper[None, None, :, None]
+        y = nn.functional.scaled_dot_product_attention(q, turn(k), v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, n, 64))
+
+
+def test_a_temperature_by_position_on_the_queries_is_refused_naming_it():
+    """A factor the same for every feature that changes with the position is named as
+    what it is, not as a rotation the checker could not read."""
+    with pytest.raises(
+        AttnScopeError,
+        match="not supported yet: a factor on the queries that changes with the position",
+    ):
+        check(_Tempered())

@@ -87,8 +87,6 @@ _OPEN = {
     "fused attention calls (each on half of the heads' features) whose outputs are "
     "subtracted are not read as differential attention",
     # round 25's first run (commit 001d04b)
-    "r25/r03_mimo_query_temperature": "refused, but naming the rotation it could not read, "
-    "not the position-dependent temperature on the queries (as r20's Llama 4 case)",
     # round 24's first run (commit f4d653e)
     "r24/b10_ort_window_passed_as_local_window_size": "ONNX Runtime's local_window_size "
     "counts the keys left of the query: the layer keeps 8 and sees 9 keys, as its own "
@@ -184,8 +182,6 @@ _OPEN = {
         "inferred",
         "its causal mask is never handed to the layer: nothing it computes says decoder",
     ),
-    "r20/r03_mlc_llama4_attn_temperature": "refused, but naming the rotation it could not read, "
-    "not the queries' temperature scaling by position",
     # round 21's first run (commit ddc359a, checker a1fcb32)
     "r21/b09_aphrodite_window_not_forwarded": "the backend built with sliding_window=None, "
     "as a full-attention layer of a mixed model is by design; no config is kept that says "
@@ -308,6 +304,7 @@ _FEATURE_WORDS = {
     "sink_window_mask": "mask of another pattern",
     "block_causal_mask": "mask of another pattern",
     "rope_3d": "rotary",  # round 34
+    "position_dependent_query_scale": "temperature",  # round 35
     "packed_block_diagonal_mask": "mask of another pattern",
     "qkv_clip": "clipped",
     "mot_experts": "different weights for different parts of the input",

@@ -238,6 +238,27 @@ class BiasSeen:
     before_scale: bool = False
 
 
+def _per_position(t: torch.Tensor, tokens: int | None) -> bool:
+    """A factor broadcast over the features (its last axis one) that differs along an axis
+    as long as the sequence (the probe's length is unlike every other size): a temperature
+    by position (``scales[None, None, :, None]``); not a rotation's tables (as many entries
+    as features), a norm's gain (along the features), nor a temperature per head."""
+    if tokens is None or tokens < 2 or t.dim() < 2 or t.shape[-1] != 1:
+        return False
+
+    def alike_along(ax: int) -> bool:
+        return bool((t == t.narrow(ax, 0, 1)).all())
+
+    # varying along the tokens alone (tinygrad's cos/sin pairs, ``(1, T, 1, d/2, 1)``,
+    # vary along the features' pairs too: a rotation)
+    return any(
+        size == tokens
+        and not alike_along(ax)
+        and all(alike_along(other) for other in range(t.dim()) if other != ax)
+        for ax, size in enumerate(t.shape[:-1])
+    )
+
+
 class Features:
     """Causal masks and the features not modelled yet, each found on its path."""
 
@@ -463,6 +484,13 @@ class Features:
             if i not in stops and i >= start and self.ops[i].leaf is None
         ]
 
+    def _tokens(self) -> int | None:
+        """The length of the sequence the layer was called on (its input's tokens)."""
+        node = self.s.input_node
+        if node is None or self.ops[node].output.dim() < 2:
+            return None
+        return int(self.ops[node].output.shape[-2])
+
     def _qk_path(self, role: str, node: int) -> None:
         stops = self.s.projection_ops
         path = self._path(node, stops)
@@ -504,6 +532,14 @@ class Features:
                 continue
             consts = [self.ops[a].output for a in op.args if not self.g.tainted[a]]
             varying = [t for t in consts if t.numel() > 1 and not bool((t == t.flatten()[0]).all())]
+            if name in _SCALAR_OPS and any(_per_position(t, self._tokens()) for t in varying):
+                self._unmodelled(
+                    f"a factor on the {role} that changes with the position, the same for every "
+                    "feature (a position-dependent temperature, Llama 4's "
+                    "attn_temperature_tuning, or log-n scaling?)",
+                    op.location,
+                )
+                continue
             if varying:
                 if normed and not rotates:
                     continue  # the norm's gain: read with the norm

@@ -286,22 +286,38 @@ class Judge:
                 )
                 self.w, self.spec = w, spec
                 return self._correct_or_unstable()
-        # no reading reproduces the output: pick the one the recorded tensors confirm best
-        self.w, self.spec = max(options, key=lambda o: self._confirmations(*o))
+        # no reading reproduces the output: pick the one the recorded tensors confirm best;
+        # among readings confirmed alike (a combined weight's keys and values exchanged),
+        # the first a known mistake explains
+        confirmed = [self._confirmations(*o) for o in options]
+        best = [o for o, c in zip(options, confirmed, strict=True) if c == max(confirmed)]
+        chosen = best[0]
+        if len(best) > 1:
+            for option in best:
+                self.w, self.spec = option
+                if self._explain_quickly() is not None:
+                    chosen = option
+                    break
+        self.w, self.spec = chosen
         return self._diagnose()
 
-    def _confirmations(self, w, spec) -> int:
+    def _confirmations(self, w, spec) -> tuple[int, int]:
+        """How many of a reading's queries, keys and values the recorded tensors show; then,
+        to tell apart readings that show all three (a combined weight's keys and values
+        exchanged shows both), how many of the stages made from them (normed, rotated,
+        scores)."""
         call = self.calls[0]
         ref = pipeline(call.x, spec, w, context=call.context)
         ops = call.ops + call.sdpa_ops
-        n = 0
-        for stage in (Stage.QUERIES, Stage.KEYS, Stage.VALUES):
-            if (
+
+        def shown(stages) -> int:
+            return sum(
                 stage.value in ref
                 and find_stage(ops, stage, ref[stage.value], batched=call.batched) is not None
-            ):
-                n += 1
-        return n
+                for stage in stages
+            )
+
+        return shown((Stage.QUERIES, Stage.KEYS, Stage.VALUES)), shown((*_MODERN[:4], Stage.SCORES))
 
     def _observe(self, call: Call) -> tuple[dict[Stage, Found | None], dict[Stage, torch.Tensor]]:
         ref = pipeline(call.x, self.spec, self.w, context=call.context)
@@ -599,12 +615,14 @@ class Judge:
                 if close(call.out, stages["output"]):
                     return stages
                 if torch.isnan(stages["weights"]).any():
-                    # a row with every key masked: NaN in the math, 0 in fused kernels
-                    stages = pipeline(
-                        call.x, self.spec, self.w, mut, proj, batched=batched, nan_rows=0.0
-                    )
-                    if close(call.out, stages["output"]):
-                        return stages
+                    # a row with every key masked: NaN in the math, 0 in fused kernels,
+                    # every key alike where the mask is filled with a finite minimum
+                    for rows in (0.0, "uniform"):
+                        stages = pipeline(
+                            call.x, self.spec, self.w, mut, proj, batched=batched, nan_rows=rows
+                        )
+                        if close(call.out, stages["output"]):
+                            return stages
             except (RuntimeError, ValueError, IndexError):
                 continue
         return None

@@ -233,7 +233,7 @@ def pipeline(
     mut: Mutation = NONE,
     proj: tuple[T, T, T] | None = None,
     batched: bool = True,
-    nan_rows: float | None = None,
+    nan_rows: float | str | None = None,
     context: T | None = None,
 ) -> dict[str, T]:
     """Every stage of the reference (or of one mutation) for ``x``.
@@ -244,7 +244,8 @@ def pipeline(
         proj: :func:`project` of ``x``, when already computed.
         batched: whether the user's code saw a batch axis (for ``Mutation.user_dim``).
         nan_rows: the weight given to rows whose keys are all masked (NaN in the math; fused
-            kernels such as ``scaled_dot_product_attention`` on the CPU give 0).
+            kernels such as ``scaled_dot_product_attention`` on the CPU give 0), or
+            ``"uniform"``: every key of the row alike (a mask filled with a finite minimum).
         context: cross-attention's other sequence ``(B, S, d)`` (see :func:`project`).
 
     Returns:
@@ -378,7 +379,10 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
         weights = mut.softmax(logits) if mut.softmax else torch.softmax(logits, dim=-1)
     if mut.after_softmax is not None:
         weights = mut.after_softmax(weights)
-    if nan_rows is not None:
+    if nan_rows == "uniform":  # hidden with a finite fill: the row's keys weighed alike
+        hidden = weights.isnan().all(-1, keepdim=True)
+        weights = torch.where(hidden, 1.0 / weights.shape[-1], weights)
+    elif nan_rows is not None:
         weights = weights.nan_to_num(nan_rows)
     weights = sub.get("weights", weights)
     out = {"scores": scores, "scaled_scores": scaled, "masked_scores": masked, "weights": weights}

@@ -196,6 +196,11 @@ def _as_heads(u: T, b: int, h: int, n: int, d: int) -> list[T]:
             s = tuple(u.shape[i] for i in perm)
             if (s[0], s[3], s[4]) == (b, n, d) and s[1] * s[2] == h and s[2] > 1:
                 out.append(u.permute(perm).reshape(b, h, n, d))
+        singles = [ax for ax in range(1, 5) if u.shape[ax] == 1]
+        if not out and singles:
+            # one of the two head axes of size one (a single key/value group's keys,
+            # (b, groups=1, 1, tokens, d)): read without it
+            out += _as_heads(u.squeeze(singles[-1]), b, h, n, d)
     elif u.dim() == 3:
         if tuple(u.shape) == (b * h, n, d):
             out += [u.reshape(b, h, n, d), u.reshape(h, b, n, d).transpose(0, 1)]
