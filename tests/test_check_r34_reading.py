@@ -409,3 +409,118 @@ def test_a_temperature_by_position_on_the_queries_is_refused_naming_it():
         match="not supported yet: a factor on the queries that changes with the position",
     ):
         check(_Tempered())
+
+
+# ---------------------------------------------------------------------- round 36's readings
+
+
+class _TalkingCross(nn.Module):
+    """Cross-attention whose scores are mixed across its 4 heads by a learned matrix before
+    the softmax (talking heads): ``(batch, tokens, 64), (batch, other, 64)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(64, 64), nn.Linear(64, 128), nn.Linear(64, 64)
+        self.talk = nn.Parameter(torch.eye(4) + 0.1 * torch.randn(4, 4))
+
+    def forward(self, x, c):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, 4, 16).transpose(1, 2)
+        k, v = self.kv(c).view(b, c.shape[1], 2, 4, 16).permute(2, 0, 3, 1, 4)
+        s = torch.einsum("bhnm,hg->bgnm", q @ k.transpose(-1, -2) / 4.0, self.talk)
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 64))
+
+
+class _OwnSource(_Attention):
+    """A cross layer handed ``(x, c)`` that projects its keys and values from ``x``."""
+
+    def forward(self, query, key_value):
+        return super().forward(query, query)
+
+
+class _SelfThenCross(nn.Module):
+    """RDT-style block requiring its condition ``c``: self-attention over the tokens (called
+    ``attn(norm(x), norm(x))``: two tensors of one value), then cross-attention over ``c``
+    (``talking``: the cross layer's scores mixed across heads; ``own``: the cross layer,
+    handed ``c``, projects its keys and values from the tokens)."""
+
+    def __init__(self, talking: bool = False, own: bool = False):
+        super().__init__()
+        torch.manual_seed(43)
+        self.attn = _Attention(False)
+        cross = _TalkingCross if talking else _OwnSource if own else _Attention
+        self.cross_attn = cross() if talking else cross(False)
+        self.norm1, self.norm2 = nn.LayerNorm(64), nn.LayerNorm(64)
+
+    def forward(self, x, c, mask=None):
+        x = x + self.attn(self.norm1(x), self.norm1(x))
+        return x + self.cross_attn(self.norm2(x), c)
+
+
+@pytest.mark.parametrize("kind", [None, "cross"])
+def test_a_block_requiring_its_condition_is_checked_as_both_layers(kind):
+    """The block requires its second sequence: its self-attention is not judged as the
+    cross layer (with --kind cross it had been failed at keys/wrong_source), nor taken for
+    one because it is handed two equal copies of its input."""
+    report = check(_SelfThenCross(), kind=kind)
+    assert report.ok, report.to_text(color=False)
+    assert _layers(report) == {"attn": (True, "multihead"), "cross_attn": (True, "cross")}
+
+
+@pytest.mark.parametrize("kind", [None, "cross"])
+def test_talking_heads_in_a_cross_layer_after_another_layer_are_refused(kind):
+    """Scores mixed across heads by a learned map, in a layer whose queries come from an
+    earlier layer's output: the map was taken for that context being projected, the core
+    lost, and the block given a verdict (keys/wrong_source with --kind cross; ok without)."""
+    with pytest.raises(AttnScopeError, match="mixed across heads by a learned map"):
+        check(_SelfThenCross(talking=True), kind=kind)
+
+
+@pytest.mark.parametrize("kind", [None, "cross"])
+def test_the_condition_handed_to_a_layer_that_never_reads_it_is_wrong_source(kind):
+    """The block hands its cross layer the condition it requires, and the layer's keys read
+    the tokens instead: the condition is a sequence the model requires, so the layer is
+    cross-attention reading the wrong source, whatever the argument is called (it passed,
+    as self-attention beside an idle argument)."""
+    report = check(_SelfThenCross(own=True), kind=kind)
+    assert report.first_layer == "cross_attn", report.to_text(color=False)
+    assert outcome(report) == ("keys", "wrong_source"), report.to_text(color=False)
+
+
+class _FoldedAlibi(nn.Module):
+    """SASRec-style: heads stacked on the batch axis head-major (``cat(chunk(Q, H), 0)``),
+    ALiBi's ``-slope_h * |i - j|`` repeated likewise, causal by ``tril`` and ``torch.where``
+    with ``fill`` (SASRec's ``-2 ** 32 + 1``)."""
+
+    def __init__(self, fill: float = -(2.0**32) + 1):
+        super().__init__()
+        torch.manual_seed(44)
+        self.fill = fill
+        self.Q, self.K, self.V = (nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (torch.cat(torch.chunk(p(x), 4, dim=2), dim=0) for p in (self.Q, self.K, self.V))
+        s = torch.bmm(q, k.transpose(1, 2)) / 4.0
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / 4) for h in range(4)], dtype=x.dtype)
+        pos = torch.arange(n, dtype=x.dtype)
+        bias = -slopes[:, None, None] * (pos[:, None] - pos[None, :]).abs()
+        s = s + bias.repeat_interleave(b, dim=0)
+        tril = torch.ones(n, n, dtype=torch.bool).tril()
+        s = torch.where(tril, s, torch.full_like(s, self.fill))
+        y = torch.bmm(s.softmax(-1), v)
+        return torch.cat(torch.chunk(y, 4, dim=0), dim=2)
+
+
+@pytest.mark.parametrize(
+    ("fill", "want"),
+    [(-(2.0**32) + 1, ("ok",)), (2.0**32 + 1, ("masked_scores", "mask_fill_value"))],
+)
+def test_alibi_on_heads_stacked_head_major_and_a_fill_whose_sign_is_dropped(fill, want):
+    """The bias on the folded (heads x batch) axis is read head-major (it was refused as a
+    bias that is not ALiBi's); a fill of +2**32 (the minus sign dropped) gives every hidden
+    key all the weight, a wrong fill (it was scores/not_dot_product)."""
+    report = check(_FoldedAlibi(fill), kind="causal-multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    if want == ("ok",):
+        assert report.structure["bias"] == "alibi"

@@ -94,6 +94,10 @@ def _per_head(tensor: T, scores_shape: tuple[int, ...], heads: int) -> list[T]:
     n_q, n_k = e.shape[-2], e.shape[-1]
     if e.numel() % (heads * n_k * n_q) == 0:
         out.append(e.reshape(-1, heads, n_q, n_k))
+        if e.dim() == 3 and e.shape[0] > heads:
+            # heads stacked on the batch axis head-major (SASRec's ``cat(chunk(Q, H), 0)``:
+            # row h * B + b), not batch-major
+            out.append(e.reshape(heads, -1, n_q, n_k).transpose(0, 1))
     if e.dim() > 4:
         return out
     axes = range(e.dim())

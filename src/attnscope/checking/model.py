@@ -222,6 +222,14 @@ class ModelHost:
             self._inputs[("memory", b, n)] = torch.randn(b, n + 3, self.width, generator=g)
         return self._inputs[("memory", b, n)]
 
+    def is_memory(self, t: object) -> bool:
+        """Whether ``t`` is a second sequence this host handed the model (:meth:`memory`)."""
+        return any(
+            t is m
+            for key, m in self._inputs.items()
+            if isinstance(key, tuple) and key[0] == "memory"
+        )
+
     def arguments(self, layer: nn.Module, b: int, n: int) -> tuple[tuple, dict] | str:
         """What the model hands ``layer`` for an input of that size: ``(args, kwargs)``, or
         the error the model raised on the way."""

@@ -1010,7 +1010,18 @@ class ModuleProbe:
         value = seen[0][1]
         # the hidden states wherever the model hands the same tensor again (DistilBERT's
         # attention(query=x, key=x, value=x)): the probe enters at every one of them
-        where = [i for i, a in given if a is value]
+        # (or an equal copy: ``attn(norm(x), norm(x))`` hands two tensors of one value)
+        where = [
+            i
+            for i, a in given
+            if a is value
+            or (
+                isinstance(a, torch.Tensor)
+                and a.shape == value.shape
+                and a.dtype == value.dtype
+                and torch.equal(a, value)
+            )
+        ]
         lead = tuple(value.shape[:-1])
         self.entry = _Entry(
             self.module,
@@ -1156,7 +1167,10 @@ class ModuleProbe:
 
         for key in others:
             name = key if isinstance(key, str) else self._parameter_name(key)
-            if name is None or not _names_a_sequence(name):
+            # named like one, or the very sequence the model requires beside its input
+            # (a decoder's memory handed on as it came)
+            handed = self.host.is_memory(others[key])
+            if not handed and (name is None or not _names_a_sequence(name)):
                 continue
             moved, err = self._invoke_layer(x, change=(key, nudge))
             unread = err is None and moved is not None and moved.shape == out.shape
@@ -1183,17 +1197,24 @@ class ModuleProbe:
         then cross-attention over the encoder's output) while the layer found reads none: a
         model of two kinds of layer, checked layer by layer with that sequence handed in
         (raises :class:`SeveralLayers`)."""
-        if self.host is not None or self.cross or not self.adapter.get("optional_second"):
+        if self.host is not None or self.cross:
             return
-        name = self._second_name()
-        elsewhere = self._cross_elsewhere(x) if name is not None else None
+        required = self.adapter.get("pair")
+        if not required and not self.adapter.get("optional_second"):
+            return
+        # an optional input runs it only where its name says it is another sequence
+        name = None if required else self._second_name()
+        if not required and name is None:
+            return
+        elsewhere = self._cross_elsewhere(x)
         if elsewhere is None:
             return
         exc = SeveralLayers(
             f"{self.tgt.text}: holds self-attention ({self.entry.path!r}) and, when handed "
-            f"{name}, cross-attention ({elsewhere!r}): checked as a model, layer by layer"
+            f"{name or 'its second sequence'}, cross-attention ({elsewhere!r}): checked as a "
+            "model, layer by layer"
         )
-        exc.second = name
+        exc.second = name  # (one it requires is handed by the model check anyway)
         raise exc
 
     def _cross_elsewhere(self, x: torch.Tensor) -> str | None:
@@ -2649,13 +2670,12 @@ class ModuleProbe:
                 # keys projected from the queries' input instead (wrong_source): read the
                 # norm on what the layer did, and let the stages judge the source
                 keys.append(project(call.x, spec, w)[1])
-            if call.context is None:
-                # keys made with another projection (wrong_projection): the query
-                # projection's first columns (grouped heads), or the value projection (a
-                # fused split unpacked as q, v, k)
-                if spec.kv != spec.num_heads:
-                    keys.append(q[..., : k.shape[-1]])
-                keys.append(v)
+            # keys made with another projection (wrong_projection): the value projection
+            # (a fused split unpacked as q, v, k; a fused key/value as v, k), or the query
+            # projection's first columns (grouped heads)
+            if call.context is None and spec.kv != spec.num_heads:
+                keys.append(q[..., : k.shape[-1]])
+            keys.append(v)
         except (AttnScopeError, RuntimeError):
             return None
         core = st.cores[0]

@@ -517,6 +517,9 @@ class _Reader:
                     a, b = b, a
                 cores.append(Core(a, b, None, size, score=op))
                 after_score[i] = True
+                # a new layer's scores, not a context: a map of them (talking heads'
+                # learned mixing) is no context projected, whatever the queries came from
+                after_context[i] = False
             elif after_score[a] != after_score[b]:
                 weights, values = (a, b) if after_score[a] else (b, a)
                 core = self._core_for(cores, weights)

@@ -113,6 +113,9 @@ def _mask_fill_value(c: Context) -> list[Mutation]:
     if not c.spec.causal:
         return []
     fills = [(0.0, "0"), (-1.0, "-1"), (1.0, "1"), (-10.0, "-10"), (-100.0, "-100")]
+    # the minus sign dropped from a large fill (SASRec's ``-2 ** 32 + 1`` written
+    # ``2 ** 32 + 1``): the hidden keys take every weight, alike; any such value does
+    fills += [(1e9, "a large positive value (the minus sign dropped?)")]
     fills += [(-v * c.spec.scale, f"{-v:g} before scaling") for v in (1.0, 10.0, 100.0)]
     out = [
         Mutation(
