@@ -6,6 +6,8 @@ hidden states where the model's memory belongs."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import outcome
@@ -524,3 +526,111 @@ def test_alibi_on_heads_stacked_head_major_and_a_fill_whose_sign_is_dropped(fill
     assert outcome(report) == want, report.to_text(color=False)
     if want == ("ok",):
         assert report.structure["bias"] == "alibi"
+
+
+class _PackedCross(nn.Module):
+    """Cross-attention with one packed ``in_proj_weight`` chunked into q, k and v (torch's
+    ``nn.MultiheadAttention`` layout, written out as Diffusion Policy's is), 4 heads of 16.
+    ``slip``: "no_out" (the merged heads returned without ``out_proj``) or "keys_wq" (the
+    keys projected from the context with the query chunk)."""
+
+    def __init__(self, slip: str | None = None):
+        super().__init__()
+        torch.manual_seed(45)
+        self.slip = slip
+        self.in_proj_weight = nn.Parameter(torch.randn(192, 64) * 0.1)
+        self.in_proj_bias = nn.Parameter(torch.rand(192) * 0.4 - 0.2)
+        self.out_proj = nn.Linear(64, 64)
+
+    def forward(self, x, context):
+        b, n, _ = x.shape
+        m = context.shape[1]
+        w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+        q = nn.functional.linear(x, w_q, b_q)
+        if self.slip == "keys_wq":
+            k = nn.functional.linear(context, w_q, b_q)
+        else:
+            k = nn.functional.linear(context, w_k, b_k)
+        v = nn.functional.linear(context, w_v, b_v)
+        q, k, v = (t.view(b, -1, 4, 16).transpose(1, 2) for t in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        y = y.reshape(b, n, 64)
+        assert k.shape[2] == m
+        return y if self.slip == "no_out" else self.out_proj(y)
+
+
+@pytest.mark.parametrize(
+    ("slip", "want"),
+    [
+        (None, ("ok",)),
+        ("no_out", ("output", "missing_out_proj")),
+        ("keys_wq", ("keys", "wrong_projection")),
+    ],
+)
+def test_a_packed_cross_layers_chunks_are_no_doubled_projection(slip, want):
+    """q, k and v read different chunks of one parameter: that is no role made twice with
+    one weight, so an idle ``out_proj`` is the skipped output projection (it passed); keys
+    made from the context with the query chunk are ``wrong_projection`` (keys/other)."""
+    report = check(_PackedCross(slip), kind="cross")
+    assert outcome(report) == want, report.to_text(color=False)
+
+
+class _CachedLayer(nn.Module):
+    """Causal attention (4 heads of 16) with a ``(keys, values)`` cache concatenated on the
+    tokens' axis; ``twice``: a one-token step stores its key and value twice."""
+
+    def __init__(self, twice: bool):
+        super().__init__()
+        self.twice = twice
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x, past=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        if past is not None:
+            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        stored = (k, v)
+        if self.twice and past is not None and n == 1:
+            stored = (torch.cat([k, k[:, :, -1:]], 2), torch.cat([v, v[:, :, -1:]], 2))
+        mask = torch.ones(n, k.shape[2], dtype=torch.bool).tril(k.shape[2] - n)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, n, 64)), stored
+
+
+class _TwiceStored(nn.Module):
+    """A two-layer causal LM with a Hugging Face-style cache, learned positions counted
+    from the cache's length (``twice``: see :class:`_CachedLayer`)."""
+
+    def __init__(self, twice: bool = False):
+        super().__init__()
+        torch.manual_seed(46)
+        self.emb, self.pos = nn.Embedding(96, 64), nn.Embedding(64, 64)
+        self.layers = nn.ModuleList(_CachedLayer(twice) for _ in range(2))
+        self.head = nn.Linear(64, 96)
+
+    def forward(self, ids, past_key_values=None, use_cache=False):
+        n = ids.shape[1]
+        start = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        x = self.emb(ids) + self.pos(torch.arange(start, start + n))
+        presents = []
+        for i, layer in enumerate(self.layers):
+            y, stored = layer(x, None if past_key_values is None else past_key_values[i])
+            x = x + y
+            presents.append(stored)
+        return SimpleNamespace(logits=self.head(x), past_key_values=presents if use_cache else None)
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_cache_updated_twice_is_stale_though_the_positions_move_with_it(twice):
+    """Stored twice, the cache is one entry longer than the tokens from the first step on,
+    so the position the model counts from its length is off and the first layer's input
+    already differs: the overfull cache is the finding, cache_stale (it was named
+    cache_positions)."""
+    report = check(_TwiceStored(twice))
+    assert report.decode is not None
+    if not twice:
+        assert report.ok, report.to_text(color=False)
+        return
+    assert report.decode.mistake == "cache_stale", report.to_text(color=False)
+    assert report.decode.step == 1

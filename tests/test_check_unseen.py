@@ -28,7 +28,29 @@ _SLICED_CAUSAL = (
     "inferred nothing it computes says decoder"
 )
 
+_TORTOISE = (
+    "refused, by design: Tortoise's learned T5-style relative position bias is not modelled "
+    "(the issue: a learned relative bias is refused, never judged)"
+)
+
 _OPEN = {
+    # round 37's first run (commit 6a9957a)
+    "r37/c07_tortoise_relative_bias_4x16": _TORTOISE + "; its writer expected a pass",
+    "r37/b14_tortoise_rel_pos_not_passed": "the model computes its relative bias and never "
+    "passes it: the layer adds none, which is plain attention (passed)",
+    "r37/b15_tortoise_einsum_operands_swapped": _TORTOISE,
+    "r37/b16_tortoise_full_scale_on_both": _TORTOISE,
+    "r37/b17_tortoise_qkv_cut_time_major": _TORTOISE,
+    "r37/b18_tortoise_context_weights_transposed": _TORTOISE,
+    "r37/b19_diffusion_policy_cross_on_actions": "the decoder hands its cross layer the "
+    "actions, never the memory it requires: the layer is self-attention over what it is "
+    "handed, and nothing it computes says which layer should have read the memory (passed)",
+    "r37/r03_tortoise_topk_sparse": "refused, but as something that changes with the "
+    "sequence's length, not naming the top-k selection (as r19's Jais)",
+    "r37/b13_genie_block_drops_causal_flag": (
+        "inferred",
+        "the block drops the causal flag: with the kind inferred nothing it computes says decoder",
+    ),
     # round 36's first run (commit 8caeaa1)
     "r36/r04_toto_differential_attention": "refused, but for widths that do not compose "
     "(its second query/key pair widens the projection), not naming the two softmax maps "
@@ -312,6 +334,7 @@ _FEATURE_WORDS = {
     "rope_3d": "rotary",  # round 34
     "position_dependent_query_scale": "temperature",  # round 35
     "relative_key_embeddings": "content-to-position terms of relative attention",  # 36
+    "topk_sparse_attention": "top-k",  # round 37
     "packed_block_diagonal_mask": "mask of another pattern",
     "qkv_clip": "clipped",
     "mot_experts": "different weights for different parts of the input",

@@ -327,12 +327,20 @@ def _listed_swapped(st: Structure) -> bool:
 
 
 def _doubled(st: Structure) -> list[tuple[str, str]]:
-    """Pairs of roles made with one projection (keys made with W_query)."""
+    """Pairs of roles made with one projection (keys made with W_query); not roles made
+    with different chunks of one packed weight (``in_proj_weight.chunk(3)``)."""
     names = {r: tuple(n for p in st.roles[r] for n in p.params) for r in ("q", "k", "v")}
+
+    def same_weights(a: str, b: str) -> bool:
+        wa, wb = [p.w for p in st.roles[a]], [p.w for p in st.roles[b]]
+        return len(wa) == len(wb) and all(
+            x.shape == y.shape and torch.equal(x, y) for x, y in zip(wa, wb, strict=True)
+        )
+
     return [
         (a, b)
         for a, b in (("q", "k"), ("q", "v"), ("k", "v"))
-        if names[a] and names[a] == names[b] and b not in st.shared
+        if names[a] and names[a] == names[b] and b not in st.shared and same_weights(a, b)
     ]
 
 

@@ -216,6 +216,9 @@ class _Driver:
         self.start_pos = START in names and protocol == "buffers"
         self._cache = None
         self._pos = 0
+        #: the sizes of the axes of every tensor the cache holds, after the prompt and after
+        #: each step (see :meth:`overfull`)
+        self._sizes: list[list[tuple[int, ...]]] = []
 
     def _at(self, ids: torch.Tensor, pos: int) -> dict:
         """``start_pos=pos`` where the caller keeps the position, and the position moved on."""
@@ -234,12 +237,15 @@ class _Driver:
             self._cache = _returned_cache(out)
             if self._cache is None:
                 raise _NoCache("the prompt with use_cache=True returned no cache")
+            self._sizes = [_sizes(self._cache)]
             return out
         self._reset()
         if self.protocol == "buffers":
             return self.model(ids, **self.on, **self._at(ids, 0))
         self._cache = make_cache(self.model, self.layers)
-        return self.model(ids, **{self.param: self._cache}, **self.on)
+        out = self.model(ids, **{self.param: self._cache}, **self.on)
+        self._sizes = [_sizes(self._cache)]
+        return out
 
     def step(self, ids: torch.Tensor):
         if self.protocol == "hf":
@@ -247,10 +253,30 @@ class _Driver:
             self._cache = _returned_cache(out)
             if self._cache is None:
                 raise _NoCache("a step with use_cache=True returned no cache")
+            self._sizes.append(_sizes(self._cache))
             return out
         if self.protocol == "buffers":
             return self.model(ids, **self.on, **self._at(ids, self._pos))
-        return self.model(ids, **{self.param: self._cache}, **self.on)
+        out = self.model(ids, **{self.param: self._cache}, **self.on)
+        self._sizes.append(_sizes(self._cache))
+        return out
+
+    def overfull(self, prompt: int) -> int | None:
+        """The entries the cache holds along its tokens' axis after the last step, where
+        that is more than the tokens fed (``prompt`` and one a step): the cache updated
+        more than once for a token; else None. The tokens' axes are those of the size of
+        the prompt after it that grew at the first step (a static cache's slots do not)."""
+        if len(self._sizes) < 2 or len({len(s) for s in self._sizes}) != 1:
+            return None
+        first, second, last = self._sizes[0], self._sizes[1], self._sizes[-1]
+        fed = prompt + len(self._sizes) - 1
+        for a, b, z in zip(first, second, last, strict=True):
+            if not (len(a) == len(b) == len(z)):
+                return None
+            for axis, size in enumerate(a):
+                if size == prompt and b[axis] > size and z[axis] > fed:
+                    return z[axis]
+        return None
 
     def _reset(self) -> None:
         reset = _reset_method(self.model)
@@ -262,6 +288,24 @@ class _Driver:
 
 class _NoCache(RuntimeError):
     """A Hugging Face-style call that returned no cache to pass back."""
+
+
+def _sizes(cache, depth: int = 0) -> list[tuple[int, ...]]:
+    """The shapes of the tensors a cache holds, in a fixed order (tuples, lists, dicts and
+    plain objects walked a few levels deep)."""
+    if isinstance(cache, torch.Tensor):
+        return [tuple(cache.shape)]
+    if depth > 4:
+        return []
+    if isinstance(cache, Mapping):
+        items = list(cache.values())
+    elif isinstance(cache, (tuple, list)):
+        items = list(cache)
+    elif hasattr(cache, "__dict__") and not isinstance(cache, nn.Module):
+        items = list(vars(cache).values())
+    else:
+        return []
+    return [s for item in items for s in _sizes(item, depth + 1)]
 
 
 def _returned_cache(out):
@@ -636,6 +680,15 @@ def check_decoding(
                     continue
                 evidence = _Evidence(model, layers, protocol, ids, path, t)
                 code, why, where = _name(got, want, pos, t, i == 0, evidence, ids.shape[1])
+                held = drive.overfull(PROMPT)
+                if held is not None and code in ("cache_positions", "cache_other"):
+                    # what moved the token is the cache itself: more entries than tokens
+                    code, where = "cache_stale", None
+                    why = (
+                        f"the cache holds {held} entries along its tokens' axis after "
+                        f"{pos + 1} tokens: it was updated more than once for a token (what "
+                        f"follows from its length, a position, is off too: {why})"
+                    )
                 seen = f"its output for the new token differs from the full pass: {why}"
                 if code == "cache_other" and t > 0:
                     earlier = _already_held(evidence, t)

@@ -605,6 +605,16 @@ class Judge:
         are tried in both layouts.
         """
         layouts = [call.batched] + ([True] if not call.batched and mut.user_dim is not None else [])
+        if mut.reweigh and self.w is not None:
+            # keys or values projected from their sequence with another role's weights
+            source = call.x if call.context is None else call.context
+            made = list(proj)
+            for role, frm in mut.reweigh:
+                w, b = getattr(self.w, frm), getattr(self.w, f"b{frm}")
+                if w.shape[0] != source.shape[-1] or w.shape != getattr(self.w, role).shape:
+                    return None  # that role's weights do not take this sequence
+                made["qkv".index(role)] = source @ w if b is None else source @ w + b
+            proj, mut = tuple(made), replace(mut, reweigh=())
         if mut.kv_from_queries and call.kv_own is not None:
             # the queries' own input as the key/value projections read it
             _, k, v = project(call.kv_own, self.spec, self.w)

@@ -204,6 +204,9 @@ class Mutation:
     kv_from_queries: bool = False  # cross-attention: keys and values from the wrong input
     # cross-attention: only the keys ("k") or only the values ("v") from the wrong input
     from_queries: str = ""
+    # cross-attention: (role, the role whose weights made it) for keys or values projected
+    # from their own sequence with another role's weights (keys made with W_query)
+    reweigh: tuple[tuple[str, str], ...] = ()
     expand_kv: Callable[[T, int], T] | None = None
     expand_keys: Callable[[T, int], T] | None = None  # keys alone (values by expand_kv)
     expand_values: Callable[[T, int], T] | None = None

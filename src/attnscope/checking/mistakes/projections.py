@@ -128,6 +128,20 @@ def _wrong_projection(c: Context) -> list[Mutation]:
                 qkv=lambda q, k, v: (q, k, q[..., : v.shape[-1]]),
             ),
         ]
+    if c.spec.kind.cross:
+        # keys or values made from the other sequence with another role's weights: the
+        # swaps above take the queries' projection of the queries' own input
+        names = {"q": "W_query", "k": "W_key", "v": "W_value"}
+        out += [
+            Mutation(
+                "wrong_projection",
+                _QKV[1] if role == "k" else _QKV[2],
+                f"{'keys' if role == 'k' else 'values'} from {names[frm]} (applied to the "
+                "other sequence)",
+                reweigh=((role, frm),),
+            )
+            for role, frm in (("k", "q"), ("k", "v"), ("v", "q"), ("v", "k"))
+        ]
     return out + _biases(b)
 
 
