@@ -1086,19 +1086,26 @@ class ModuleProbe:
             self.exit = self._exit(st, rec, out)
         return st
 
-    def _unmodelled_with_others(self, x: torch.Tensor, others: dict, st: Structure) -> list:
-        """What the layer computes that is not modelled and shows only once the other
-        sequences the model hands it are known as inputs (keys made from its hidden states
-        joined to a memory the model hands it: Transformer-XL's ``cat([mems, h])``)."""
+    def _read_with_others(self, x: torch.Tensor, others: dict):
+        """The layer's structure on a call where the other sequences the model hands it are
+        marked as inputs (``input:1``, ...): ``(record, marks, structure)``, the structure
+        None where the call raised or nothing could be read."""
         marks = {id(a): f"input:{k + 1}" for k, a in enumerate(others.values())}
         rec = self._recorder(x)
         rec.leaves.update(marks)
         with rec:
             _, err = self._invoke_layer(x)
         try:
-            seen = read_structure(rec, self.module) if err is None else None
+            st = read_structure(rec, self.module) if err is None else None
         except AttnScopeError:
-            return []
+            st = None
+        return rec, marks, st
+
+    def _unmodelled_with_others(self, x: torch.Tensor, others: dict, st: Structure) -> list:
+        """What the layer computes that is not modelled and shows only once the other
+        sequences the model hands it are known as inputs (keys made from its hidden states
+        joined to a memory the model hands it: Transformer-XL's ``cat([mems, h])``)."""
+        seen = self._read_with_others(x, others)[2]
         return [] if seen is None else [u for u in seen.unmodelled if u not in st.unmodelled]
 
     def _cross_argument(self, x: torch.Tensor, others: dict):
@@ -1108,15 +1115,7 @@ class ModuleProbe:
         encoder's output); None where they make none."""
         if not others:
             return None
-        marks = {id(a): f"input:{k + 1}" for k, a in enumerate(others.values())}
-        rec = self._recorder(x)
-        rec.leaves.update(marks)
-        with rec:
-            _, err = self._invoke_layer(x)
-        try:
-            st = read_structure(rec, self.module) if err is None else None
-        except AttnScopeError:
-            return None
+        rec, marks, st = self._read_with_others(x, others)
         if st is None or st.cross is None or not st.roles["k"]:
             return None
         g = Graph(rec)
@@ -2500,8 +2499,9 @@ class ModuleProbe:
         """The scale, times each constant the queries or keys are multiplied by on their way
         to the scores that is no power of the layer's sizes (a muP multiplier, Falcon-H1's
         ``key_multiplier``: the weights' own factor, as if folded into them). A factor that
-        is one (the scale itself, or d_k**-0.25 on both sides) stays for the judge, which
-        names it when it is wrong (the scale applied twice)."""
+        is a power of the sizes (the scale itself, d_k**-0.25 on both sides) or of the
+        declared scale stays for the judge, which names it when it is wrong (the scale
+        applied twice)."""
         found = getattr(self.structure, "qk_factors", None) or {}
         hd = b.d_out // heads
         kv = (self.structure.kv_heads,) if getattr(self.structure, "kv_heads", None) else ()
