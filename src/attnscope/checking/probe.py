@@ -1674,19 +1674,24 @@ class ModuleProbe:
             self._contexts[key] = torch.randn(*shape, generator=self.discovery_gen)
         return self._contexts[key]
 
-    def _kv_input(self, rec: Recorder, ctx: torch.Tensor | None) -> torch.Tensor | None:
-        """Cross-attention's context for the reference, ``(B, S, d)`` float64 (None for
-        self-attention): what its key/value projections read where that is made from the
-        second sequence alone (a wrapper may norm it first), else the second sequence as
-        given (keys read from the wrong input: the reference still reads the right one)."""
+    def _cross_inputs(self, rec: Recorder, ctx: torch.Tensor | None):
+        """``(context, kv_own)`` of a call (see :meth:`_kv_input`, :meth:`_kv_own`), its
+        structure read once; ``(None, None)`` for self-attention."""
         if ctx is None:
-            return None
-        batched = ctx.dim() == 3
-        given = ctx.detach().to(torch.float64)
+            return None, None
         try:
             st = read_structure(rec, self.module)
         except AttnScopeError:
             st = None
+        return self._kv_input(rec, ctx, st), self._kv_own(rec, ctx, st)
+
+    def _kv_input(self, rec: Recorder, ctx: torch.Tensor, st: Structure | None) -> torch.Tensor:
+        """Cross-attention's context for the reference, ``(B, S, d)`` float64: what its
+        key/value projections read where that is made from the second sequence alone (a
+        wrapper may norm it first), else the second sequence as given (keys read from the
+        wrong input: the reference still reads the right one)."""
+        batched = ctx.dim() == 3
+        given = ctx.detach().to(torch.float64)
         if st is not None and st.roles["k"]:
             g = Graph(rec)
             node = st.roles["k"][0].input_node
@@ -1711,18 +1716,14 @@ class ModuleProbe:
                         break
         return given if batched else given.unsqueeze(0)
 
-    def _kv_own(self, rec: Recorder, ctx: torch.Tensor | None) -> torch.Tensor | None:
+    def _kv_own(
+        self, rec: Recorder, ctx: torch.Tensor, st: Structure | None
+    ) -> torch.Tensor | None:
         """Cross-attention whose key projections read a transform of the queries' input
         alone, not what the query projection reads (``norm(q)`` handed where
         ``norm(context)`` belongs): that tensor, ``(B, T, d)`` float64, for the
         ``wrong_source`` reading; else None."""
-        if ctx is None:
-            return None
-        try:
-            st = read_structure(rec, self.module)
-        except AttnScopeError:
-            return None
-        if not st.roles["k"] or not st.roles["q"]:
+        if st is None or not st.roles["k"] or not st.roles["q"]:
             return None
         node, q_node = st.roles["k"][0].input_node, st.roles["q"][0].input_node
         if node is None or q_node is None or node == q_node or "input:1" in Graph(rec).roots(node):
@@ -1756,8 +1757,7 @@ class ModuleProbe:
                     rec.sdpa,
                     x.double(),
                     rec,
-                    self._kv_input(rec, ctx),
-                    self._kv_own(rec, ctx),
+                    *self._cross_inputs(rec, ctx),
                 )
             )
         else:
@@ -1782,8 +1782,7 @@ class ModuleProbe:
                         rec1.sdpa,
                         x[:1].double(),
                         rec1,
-                        self._kv_input(rec1, ctx1),
-                        self._kv_own(rec1, ctx1),
+                        *self._cross_inputs(rec1, ctx1),
                     )
                 )
             else:
@@ -2806,7 +2805,7 @@ class ModuleProbe:
                         True,
                         rec.ops,
                         record=rec,
-                        context=self._kv_input(rec, ctx),
+                        context=self._cross_inputs(rec, ctx)[0],
                     )
                 ]
             )
