@@ -366,13 +366,14 @@ class _FrozenSlopes(nn.Module):
         return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
 
 
-def test_alibi_slopes_kept_as_a_frozen_parameter_are_alibi_a_learned_bias_is_refused():
+def test_alibi_slopes_kept_as_a_frozen_parameter_are_alibi_trainable_ones_a_learned_bias():
     report = check(_FrozenSlopes, kind="causal-multihead")
     assert report.ok and report.structure["bias"] == "alibi", report.to_text(color=False)
     flipped = check(lambda: _FrozenSlopes(sign=-1.0), kind="causal-multihead")
     assert outcome(flipped) == ("biased_scores", "bias_sign"), flipped.to_text(color=False)
-    with pytest.raises(AttnScopeError, match="learned relative position bias"):
-        check(lambda: _FrozenSlopes(learned=True), kind="causal-multihead")
+    # trainable slopes: a learned relative bias, taken as the layer computes it (round 38)
+    learned = check(lambda: _FrozenSlopes(learned=True), kind="causal-multihead")
+    assert learned.ok and learned.structure["bias"] == "learned", learned.to_text(color=False)
 
 
 class _WindowZeroed(nn.Module):

@@ -28,20 +28,10 @@ _SLICED_CAUSAL = (
     "inferred nothing it computes says decoder"
 )
 
-_TORTOISE = (
-    "refused, by design: Tortoise's learned T5-style relative position bias is not modelled "
-    "(the issue: a learned relative bias is refused, never judged)"
-)
-
 _OPEN = {
     # round 37's first run (commit 6a9957a)
-    "r37/c07_tortoise_relative_bias_4x16": _TORTOISE + "; its writer expected a pass",
     "r37/b14_tortoise_rel_pos_not_passed": "the model computes its relative bias and never "
     "passes it: the layer adds none, which is plain attention (passed)",
-    "r37/b15_tortoise_einsum_operands_swapped": _TORTOISE,
-    "r37/b16_tortoise_full_scale_on_both": _TORTOISE,
-    "r37/b17_tortoise_qkv_cut_time_major": _TORTOISE,
-    "r37/b18_tortoise_context_weights_transposed": _TORTOISE,
     "r37/b19_diffusion_policy_cross_on_actions": "the decoder hands its cross layer the "
     "actions, never the memory it requires: the layer is self-attention over what it is "
     "handed, and nothing it computes says which layer should have read the memory (passed)",
@@ -354,6 +344,9 @@ _FEATURE_WORDS = {
 #: features modelled since their round was written: those correct layers are now judged
 _MODELLED = {"rotary", "grouped", "window", "qk_norm", "alibi", "cross", "model", "softcap"}
 _MODELLED |= {"logit_softcap", "sub_layernorm", "context_norm"}  # since rounds 28 and m21
+#: since round 38: a learned bias, per head a function of the key's offset from the query
+#: (Moirai's same-variate bias, its variates interleaved: a function of the offset's parity)
+_MODELLED |= {"relative_bias", "variate_attention_bias"}
 #: modelled where the layer declares it (the declaration the refusal names otherwise)
 _MODELLED_WHEN_DECLARED = {
     "softcap": "attn_logit_softcapping",

@@ -15,7 +15,7 @@ import torch
 
 from ..functional import alibi_slopes
 
-__all__ = ["Alibi", "read_slopes", "alibi_bias", "is_symmetric", "is_by_key"]
+__all__ = ["Alibi", "read_slopes", "alibi_bias", "is_symmetric", "is_by_key", "per_head_views"]
 
 T = torch.Tensor
 
@@ -82,7 +82,7 @@ def _fits(e: T, slopes: T) -> bool:
     return bool((spread < 1e-6 * (1 + e[finite].abs().amax())).all()) if finite.any() else False
 
 
-def _per_head(tensor: T, scores_shape: tuple[int, ...], heads: int) -> list[T]:
+def per_head_views(tensor: T, scores_shape: tuple[int, ...], heads: int) -> list[T]:
     """The bias as ``(B, H, T_q, T_k)``: read as laid out ``(..., H, T_q, T_k)`` first,
     then, for scores in another layout (sequence-first ``[T_q, T_k, B, H]``), each order of
     its axes that puts a head-sized axis and two token axes last."""
@@ -123,7 +123,7 @@ def read_slopes(tensor: T, scores_shape: tuple[int, ...], heads: int) -> T | Non
     ``(H,)``; None when the tensor cannot be read per head. Scores laid out otherwise than
     ``(..., H, T_q, T_k)`` are read in the order of axes in which the bias is ``slope_h *
     j`` plus a constant per query row."""
-    views = _per_head(tensor, scores_shape, heads)
+    views = per_head_views(tensor, scores_shape, heads)
     first = None
     for i, e in enumerate(views):
         slopes = _steps(e, heads)
@@ -140,7 +140,7 @@ def is_alibi(tensor: T, scores_shape: tuple[int, ...], heads: int) -> bool:
     """Whether the bias is, per head, ``slope_h * j`` plus a constant per query row on the
     keys up to each query (ALiBi, whatever its slopes or sign): not a relative position
     bias of buckets or learned values (T5's, MPNet's)."""
-    for e in _per_head(tensor, scores_shape, heads):
+    for e in per_head_views(tensor, scores_shape, heads):
         if e.shape[-1] != e.shape[-2] or e.shape[-1] < 3:
             continue  # a view whose "keys" are the batch or heads: any two points fit a line
         slopes = _steps(e, heads)

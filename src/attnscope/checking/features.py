@@ -236,6 +236,9 @@ class BiasSeen:
     scores_shape: tuple[int, ...]
     location: str | None
     before_scale: bool = False
+    #: made from the layer's trainable parameters (a learned bias: T5's buckets), not from
+    #: constants (ALiBi's slopes)
+    learned: bool = False
 
 
 def _per_position(t: torch.Tensor, tokens: int | None) -> bool:
@@ -266,6 +269,7 @@ class Features:
         self.s, self.g, self.ops = s, g, g.ops
         self.window_seen = 0  # the window of the last band-shaped mask judged
         self._bias_seen: T | None = None
+        self._learned = False  # the bias seen is made from trainable parameters
         #: how the last mask judged was applied, where it hid some scores in a layout no
         #: reading placed (see _judge_hidden)
         self._unread: str | None = None
@@ -858,10 +862,12 @@ class Features:
             if evidence is None:
                 continue
             kind, detail = evidence
-            if kind in ("bias-learned", "band"):
+            if kind == "band":
                 self._refuse(detail, op.location)
             if kind == "bias":
-                s.bias = BiasSeen(self._bias_seen, tuple(op.output.shape), op.location)
+                s.bias = BiasSeen(
+                    self._bias_seen, tuple(op.output.shape), op.location, learned=self._learned
+                )
                 s.bias.before_scale = self._scaled_after(op, reach)
                 continue
             if kind == "local":  # not causal: a window of keys on either side
@@ -917,27 +923,36 @@ class Features:
         finite = t[torch.isfinite(t) & (t > -1e4)]
         if torch.unique(finite).numel() > 2:
             learned = bool(op.args) and self.g.param[op.args[0]] and not self.g.frozen(op.args[0])
-            if learned:
-                self._refuse(
-                    "a learned relative position bias added in the scores' product", op.location
-                )
             # baddbmm(bias, q, k^T, alpha=scale): the bias is not scaled
-            self.s.bias = BiasSeen(added.detach(), tuple(op.output.shape), op.location)
+            self.s.bias = BiasSeen(
+                added.detach(), tuple(op.output.shape), op.location, learned=learned
+            )
 
     def _scaled_after(self, op: Op, reach: set[int]) -> bool:
-        """Whether the scores are scaled after this op adds the bias (Falcon's order)."""
+        """Whether the scores are scaled after this op adds the bias (Falcon's order), before
+        the softmax: by factors that do not cancel (CogView's ``softmax((x / a - max) * a)``
+        scales by ``1 / a`` and back, no scale)."""
+        net = 1.0
         for later in self.ops[op.index + 1 :]:
-            if later.index not in reach or later.name not in _SCALAR_OPS:
+            if later.index not in reach:
                 continue
-            scalars = [a for a in later.call_args if isinstance(a, (int, float))]
+            if later.name in _SOFTMAX_CALLS:
+                break
+            if later.name not in _SCALAR_OPS:
+                continue
+            scalars = [float(a) for a in later.call_args if isinstance(a, (int, float))]
             scalars += [
-                self.ops[a].output
+                float(self.ops[a].output)
                 for a in later.args
                 if a not in reach and self.ops[a].output.numel() == 1
             ]
-            if scalars:
-                return True
-        return False
+            if not scalars:
+                continue
+            if later.name == "__rtruediv__" or any(c == 0 for c in scalars):
+                return True  # a factor divided by the scores: no plain scale, said as one
+            for c in scalars:
+                net = net / c if later.name in ("div", "__truediv__", "div_") else net * c
+        return abs(net - 1.0) > 1e-6
 
     def _mask_of(self, op: Op, reach: set[int]) -> tuple[str, str] | None:
         """What a masking op does to the score path: a mask (causal or not) or a bias."""
@@ -977,11 +992,9 @@ class Features:
         distinct = torch.unique(finite).numel()
         if distinct > 2:
             made = op.args[consts[0][0]]
-            learned = self.g.param[made] and not self.g.frozen(made)
-            if learned:
-                return ("bias-learned", "a learned relative position bias added to the scores")
+            self._learned = bool(self.g.param[made]) and not self.g.frozen(made)
             self._bias_seen = t
-            return ("bias", "a position bias added to the scores (ALiBi)")
+            return ("bias", "a position bias added to the scores")
         hidden = ~torch.isfinite(t64) | (t64 < -1e4)
         if not bool(hidden.any()) and bool((t64 > 1e4).any()):
             # the cells a mask hides, filled with a huge positive value: a mask with its sign
@@ -1051,12 +1064,13 @@ class Features:
                         ),
                         None,
                     )
-                    if node is not None and self.g.param[node]:
-                        self._refuse(
-                            "a learned relative position bias passed as attn_mask", op.location
-                        )
+                    learned = node is not None and bool(self.g.param[node])
+                    learned = learned and not self.g.frozen(node)
                     self.s.bias = BiasSeen(
-                        mask.detach(), tuple(op.output.shape[:-1]) + (mask.shape[-1],), op.location
+                        mask.detach(),
+                        tuple(op.output.shape[:-1]) + (mask.shape[-1],),
+                        op.location,
+                        learned=learned,
                     )
                 hides = ~torch.isfinite(m) | (m < -1e4)
                 low = _lower_triangle_kept(m) if not bool(hides.any()) else None

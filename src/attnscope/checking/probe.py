@@ -51,6 +51,7 @@ from .qknorm import (
 )
 from .record import Op, Recorder, short_path, tensors_in
 from .reference import Spec, Weights, project, split
+from .relbias import LearnedBias, relative_table, same_for_every_key
 from .report import CheckReport, single_head
 from .rotary import Rope, as_heads, fit_tables, read_rope
 from .structure import (
@@ -569,6 +570,17 @@ class _Entry:
     def as_given(self) -> bool:
         """The layer takes the probe ``(B, T, d)`` as it is (no layout to put it in)."""
         return not (self.tokens_first or self.flat or self.channels_first or self.grid is not None)
+
+
+#: the scale source of the unscaled reading of a layer with a learned relative bias
+_T5 = "no scale (T5's convention beside a learned relative bias)"
+
+
+def _bias_word(bias: Alibi | LearnedBias | None) -> str | None:
+    """The contract's word for a position bias."""
+    if bias is None:
+        return None
+    return "learned" if isinstance(bias, LearnedBias) else "alibi"
 
 
 class ModuleProbe:
@@ -2041,9 +2053,10 @@ class ModuleProbe:
         self._cache["dropped"] = (made, held)
         return self._cache["dropped"]
 
-    def _alibi(self, heads: int) -> Alibi | None:
-        """The reference's ALiBi when the computation adds a position bias to the scores,
-        with the slopes it used as read from that bias."""
+    def _position_bias(self, heads: int) -> Alibi | LearnedBias | None:
+        """The reference's position bias when the computation adds one to the scores: ALiBi,
+        with the slopes it used as read from that bias, or a learned relative bias (see
+        :mod:`.relbias`), taken as the layer computes it at each length."""
         st = self.structure
         if st is not None and st.bias is None:
             handed = self._handed_alibi(heads) if self.kind.causal else None
@@ -2052,6 +2065,8 @@ class ModuleProbe:
                 return handed
         if st is None or st.bias is None:
             return None
+        if st.bias.learned:
+            return self._learned_bias(heads)
         if not is_alibi(st.bias.tensor, st.bias.scores_shape, heads):
             raise Unsupported(
                 f"{self.tgt.text}: not supported yet: a position bias added to the scores "
@@ -2062,6 +2077,56 @@ class ModuleProbe:
         symmetric = is_symmetric(st.bias.tensor, st.bias.scores_shape)
         by_key = is_by_key(st.bias.tensor, st.bias.scores_shape)
         return Alibi(heads, st.bias.before_scale, seen, symmetric, by_key)
+
+    def _learned_bias(self, heads: int) -> LearnedBias:
+        """A bias made from the layer's trainable parameters: modelled where it is relative
+        (per head a function of the key's offset from the query), read again at each length
+        the judge needs (once per head count); refused otherwise."""
+        if ("learned", heads) in self._cache:
+            return self._cache[("learned", heads)]
+        seen = self.structure.bias
+        table = relative_table(seen.tensor, seen.scores_shape, heads)
+        if table is not None and same_for_every_key(table):
+            raise Unsupported(
+                f"{self.tgt.text}: not supported yet: a learned bias the same for every key "
+                "of a query on these probes (made from what they hold the same for every "
+                f"token: variate or segment ids?) at {seen.location}"
+            )
+        if table is None:
+            raise Unsupported(
+                f"{self.tgt.text}: not supported yet: a learned position bias that is not "
+                "relative, per head a function of the key's offset from the query alone (a "
+                "table of absolute positions, or of two-dimensional offsets: Swin's, "
+                f"BEiT's?) at {seen.location}"
+            )
+
+        def observe(n: int) -> torch.Tensor | None:
+            return self._observe_bias(heads, n, seen.location)
+
+        bias = LearnedBias(heads, observe, seen.before_scale, seen.location)
+        bias.seen[table.shape[-1]] = table
+        self._cache[("learned", heads)] = bias
+        return bias
+
+    def _observe_bias(self, heads: int, n: int, location: str | None) -> torch.Tensor | None:
+        """The learned bias the layer adds at ``n`` tokens, ``(H, n, n)`` float64, read from
+        one more run (its values hang on no input, so any input shows them); None where the
+        layer does not take ``n`` tokens or adds no relative bias at the same line there."""
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(BATCH, n, self.binding.d_in, generator=gen)
+        if not self._discovered_batched:
+            x = x[0]
+        ctx = self._context(x) if self.cross else None
+        rec = self._recorder(x) if ctx is None else self._recorder(x, ctx)
+        try:
+            with rec:
+                _, err = self._invoke(x)
+            st = read_structure(rec, self.module) if err is None else None
+        except (RuntimeError, AttnScopeError):
+            return None
+        if st is None or st.bias is None or not st.bias.learned or st.bias.location != location:
+            return None
+        return relative_table(st.bias.tensor, st.bias.scores_shape, heads)
 
     def _handed_alibi(self, heads: int) -> Alibi | None:
         """An ALiBi bias the wrapper hands the layer (Baichuan and MPT models pass it in the
@@ -2596,13 +2661,17 @@ class ModuleProbe:
                     kv_heads=kv,
                     window=self._window(),
                     window_seen=self._window_seen(),
-                    alibi=self._alibi(h),
+                    position_bias=self._position_bias(h),
                     declared_scale=scale,
                     scale_source=source,
                     softcap=softcap,
                     out_norm=out_norm,
                 )
                 out.append((w, spec))
+                if isinstance(spec.position_bias, LearnedBias) and scale is None:
+                    # T5's convention: beside its learned relative bias, no scale (folded
+                    # into the query weights' initialization); read after the standard one
+                    out.append((w, dataclasses.replace(spec, declared_scale=1.0, scale_source=_T5)))
         if not out:
             raise Unsupported(
                 f"{self.tgt.text}: not supported yet: keys and values "
@@ -2862,7 +2931,7 @@ class ModuleProbe:
             rope=None if spec.rope is None else spec.rope.describe(),
             qk_norm=None if spec.qk_norm is None else spec.qk_norm.scope,
             window=spec.window,
-            bias=None if spec.alibi is None else "alibi",
+            bias=_bias_word(spec.position_bias),
             cross=spec.kind.cross,
         )
         return out
@@ -2889,7 +2958,14 @@ class ModuleProbe:
             judge.rotary_at = next(iter(self.structure.rotary.values()), (None, None))[1]
         judge.keys_named_first = self.structure is not None and keys_named_first(self.structure)
         report = judge.run(options)
-        report.structure = self._structure_report(judge.spec or options[0][1])
+        spec = judge.spec or options[0][1]
+        report.structure = self._structure_report(spec)
+        if spec.scale_source == _T5:
+            report.notes.append(
+                "its scores are not scaled: read as T5's convention beside a learned relative "
+                "position bias (the scale folded into the query weights' initialization); a "
+                "scale left out by mistake reads the same"
+            )
         report.layer = self._layer_path()
         return report
 

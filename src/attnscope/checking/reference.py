@@ -19,6 +19,7 @@ import torch
 from ..stages import Kind, Stage
 from .alibi import Alibi
 from .qknorm import ContextNorm, QKNorm
+from .relbias import LearnedBias
 from .rotary import Rope
 
 __all__ = [
@@ -61,7 +62,8 @@ class Spec:
     #: the window the layer's mask shows, where it differs from ``window`` (the declared one)
     window_seen: int | None = None
     qk_norm: QKNorm | None = None
-    alibi: Alibi | None = None
+    #: the position bias added to the scores: ALiBi's, or a learned one as the layer adds it
+    position_bias: Alibi | LearnedBias | None = None
     #: a scale the layer's configuration declares instead of 1/sqrt(d_k) (Gemma's
     #: ``query_pre_attn_scalar``), and in words where it comes from
     declared_scale: float | None = None
@@ -345,12 +347,12 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
     scaled = scores * factor
     scaled = logits = sub.get("scaled_scores", scaled)
     biased = None
-    if spec.alibi is not None:
+    if spec.position_bias is not None:
         n = scores.shape[-1]
-        bias = (mut.bias or spec.alibi.bias)(scores.shape[1], n)
+        bias = (mut.bias or spec.position_bias.bias)(scores.shape[1], n)
         if bias is None:
             biased = scaled
-        elif spec.alibi.before_scale:  # Falcon: added to the raw scores, then scaled
+        elif spec.position_bias.before_scale:  # Falcon: added to the raw scores, then scaled
             biased = (scores + bias.to(scores)) * factor
         else:
             biased = scaled + bias.to(scores)

@@ -142,7 +142,7 @@ def _mask_fill_value(c: Context) -> list[Mutation]:
                 facts={"fill": "0/1 added", "name": text},
             )
         )
-    alibi = c.spec.alibi
+    alibi = c.spec.position_bias
     if alibi is not None:
         # one additive mask of ALiBi and the future, its future entries 0 instead of -inf
         # (Step-Audio's ``bias.masked_fill(tril == 0, 0.0)``): the later keys are seen, with

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...stages import Stage
-from ..alibi import alibi_bias
+from ..alibi import Alibi, alibi_bias
 from ..reference import Mutation, causal_hide, split, window_mask
 from .base import Context, define
 from .projections import only_one
@@ -408,9 +408,11 @@ def _qk_norm_misplaced(c: Context) -> list[Mutation]:
 
 
 def _bias_expected(spec) -> str:
-    a = spec.alibi
+    a = spec.position_bias
     if a is None:
         return ""
+    if not isinstance(a, Alibi):
+        return "expected the layer's learned relative position bias added to every score"
     shown = ", ".join(f"{v:.4g}" for v in a.slopes[:4].tolist())
     more = ", ..." if a.heads > 4 else ""
     return (
@@ -421,7 +423,7 @@ def _bias_expected(spec) -> str:
 
 @define("bias_missing", expected=_bias_expected)
 def _bias_missing(c: Context) -> list[Mutation]:
-    if c.spec.alibi is None:
+    if c.spec.position_bias is None:
         return []
     return [
         Mutation(
@@ -432,8 +434,8 @@ def _bias_missing(c: Context) -> list[Mutation]:
 
 @define("bias_slopes", expected=_bias_expected)
 def _bias_slopes(c: Context) -> list[Mutation]:
-    a = c.spec.alibi
-    if a is None:
+    a = c.spec.position_bias
+    if not isinstance(a, Alibi):  # a learned bias has no standard slopes to hold it to
         return []
     std = a.slopes
     h = a.heads
@@ -466,8 +468,8 @@ def _bias_slopes(c: Context) -> list[Mutation]:
 
 @define("bias_sign", expected=_bias_expected)
 def _bias_sign(c: Context) -> list[Mutation]:
-    a = c.spec.alibi
-    if a is None:
+    a = c.spec.position_bias
+    if not isinstance(a, Alibi):
         return []
     return [
         Mutation(

@@ -288,7 +288,7 @@ def _missing_scale(c: Context) -> list[Mutation]:
     out = [
         Mutation("missing_scale", Stage.SCALED_SCORES, "no scaling", scale=1.0, facts={"c": 1.0})
     ]
-    alibi = c.spec.alibi
+    alibi = c.spec.position_bias
     if alibi is not None and not alibi.before_scale:
         # bias.baddbmm(q, k, beta=scale, alpha=1) for beta=1, alpha=scale: the factor
         # lands on the position bias, the scores go unscaled

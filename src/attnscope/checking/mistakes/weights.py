@@ -130,7 +130,7 @@ def _mask_after_softmax(c: Context) -> list[Mutation]:
                 after_softmax=lambda t: t.masked_fill(window_hide(t.shape[-1], w), 0.0),
             )
         )
-    alibi = c.spec.alibi
+    alibi = c.spec.position_bias
     if alibi is not None:
         # the future split off a combined ALiBi-and-causal mask (Baichuan's ``isinf``):
         # the later keys' scores go into the softmax with no bias, then are zeroed

@@ -1,0 +1,144 @@
+"""A learned relative position bias (T5's buckets, Tortoise's, MPNet's) is modelled: the
+reference adds what the layer adds, read back at each length, and the rest of the layer is
+judged around it; a learned bias that is no relative one stays refused."""
+
+import pytest
+import torch
+from conftest import outcome
+from torch import nn
+from torch.nn import functional as F
+
+from attnscope import AttnScopeError, check
+from attnscope.checking.relbias import relative_table
+
+
+class _Relative(nn.Module):
+    """Multi-head attention with a learned bias per head and clipped offset ``j - i``
+    (offsets beyond ``reach`` share a value), added to the scaled scores; ``slip`` plants one
+    mistake."""
+
+    def __init__(self, d=32, heads=4, reach=3, causal=False, slip=None, scaled=True, sdpa=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h, self.reach, self.causal, self.slip = heads, reach, causal, slip
+        self.scaled, self.sdpa = scaled, sdpa
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.table = nn.Embedding(2 * reach + 1, heads)
+
+    def bias(self, n):
+        pos = torch.arange(n)
+        offset = (pos[None, :] - pos[:, None]).clamp(-self.reach, self.reach) + self.reach
+        return self.table(offset).permute(2, 0, 1)  # (heads, n, n)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        bias = self.bias(n).to(x.dtype)
+        if self.causal:
+            bias = bias.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        if self.sdpa:
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            s = q @ k.transpose(-1, -2)
+            if self.scaled:
+                s = s / (d // self.h) ** 0.5
+            s = s + bias
+            w = s.softmax(dim=-2 if self.slip == "softmax_dim" else -1)
+            ctx = w @ v
+        return self.out(ctx.transpose(1, 2).reshape(b, n, d))
+
+
+def test_a_learned_relative_bias_is_judged_and_named_learned():
+    report = check(lambda: _Relative().eval())
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["bias"] == "learned"
+    assert "biased_scores" in [c.stage for c in report.checks]
+
+
+def test_a_learned_relative_bias_beside_a_causal_mask_and_through_sdpa():
+    report = check(lambda: _Relative(causal=True, sdpa=True).eval())
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["bias"] == "learned" and report.structure["causal"]
+
+
+def test_a_slip_elsewhere_in_a_layer_with_a_learned_bias_is_named():
+    report = check(lambda: _Relative(slip="softmax_dim").eval())
+    assert outcome(report) == ("weights", "softmax_wrong_dim"), report.to_text(color=False)
+
+
+def test_unscaled_scores_beside_a_learned_bias_read_as_t5s_convention_and_said():
+    report = check(lambda: _Relative(scaled=False).eval())
+    assert report.ok, report.to_text(color=False)
+    assert any("T5's convention" in n for n in report.notes), report.notes
+
+
+class _Absolute(nn.Module):
+    """A learned bias for each (query, key) position pair: no relative bias."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.pair_bias = nn.Parameter(torch.randn(heads, 64, 64))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / (d // self.h) ** 0.5 + self.pair_bias[:, :n, :n]
+        ctx = s.softmax(-1) @ v
+        return self.out(ctx.transpose(1, 2).reshape(b, n, d))
+
+
+def test_a_learned_bias_of_absolute_positions_is_refused_naming_it():
+    with pytest.raises(
+        AttnScopeError, match="not supported yet: a learned position bias that is not relative"
+    ):
+        check(lambda: _Absolute().eval())
+
+
+def test_relative_table_reads_a_toeplitz_bias_per_head_and_nothing_else():
+    layer = _Relative(heads=2)
+    bias = layer.bias(5).detach()  # (2, 5, 5)
+    table = relative_table(bias[None], (3, 2, 5, 5), 2)
+    assert table is not None and torch.equal(table, bias.double())
+    # a table that is not constant along its diagonals: none
+    assert relative_table(torch.randn(1, 2, 5, 5), (3, 2, 5, 5), 2) is None
+    # one that differs between the sequences of the batch: made from the input, none
+    two = torch.stack([bias, bias + 1.0])
+    assert relative_table(two, (2, 2, 5, 5), 2) is None
+
+
+def test_hugging_face_t5_attention_with_its_bucketed_bias_passes_unscaled_said():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    def make():
+        torch.manual_seed(0)
+        cfg = transformers.T5Config(d_model=64, d_kv=16, num_heads=4)
+        return T5Attention(cfg, has_relative_attention_bias=True).eval()
+
+    report = check(make)
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["bias"] == "learned" and report.structure["heads"] == 4
+    assert any("T5's convention" in n for n in report.notes), report.notes
+
+
+class _CogViewSoftmax(_Relative):
+    """The learned bias added, then CogView's stabilised softmax (``softmax((x / a -
+    max(x / a)) * a)``, LayoutLMv3's): the factors cancel, the bias is not scaled after."""
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / (d // self.h) ** 0.5 + self.bias(n)
+        s = s / 32.0
+        w = ((s - s.amax(-1, keepdim=True)) * 32.0).softmax(-1)
+        return self.out((w @ v).transpose(1, 2).reshape(b, n, d))
+
+
+def test_a_scale_and_its_inverse_after_the_bias_are_no_scale_after_it():
+    report = check(lambda: _CogViewSoftmax().eval())
+    assert report.ok, report.to_text(color=False)
