@@ -142,3 +142,64 @@ class _CogViewSoftmax(_Relative):
 def test_a_scale_and_its_inverse_after_the_bias_are_no_scale_after_it():
     report = check(lambda: _CogViewSoftmax().eval())
     assert report.ok, report.to_text(color=False)
+
+
+# ---------------------------------------------------------------- rounds 38 and m31's first runs
+
+
+class _LocalWhere(nn.Module):
+    """Causal attention whose queries see their last ``window`` keys, hidden with
+    ``torch.where(hide, number, scores)`` (Lingvo's ``GetDtypeMin`` fill: a number where
+    the hidden scores go, the scores third)."""
+
+    def __init__(self, window=4):
+        super().__init__()
+        torch.manual_seed(1)
+        self.window = window
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(n)
+        gap = pos[:, None] - pos[None, :]
+        hide = (gap < 0) | (gap >= self.window)
+        s = torch.where(hide, -0.7 * torch.finfo(x.dtype).max, q @ k.mT * 8**-0.5)
+        return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+def test_a_window_hidden_by_where_with_a_number_as_the_fill_is_read_as_a_window():
+    report = check(lambda: _LocalWhere().eval(), kind="causal-multihead")
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["window"] == 4
+
+
+class _FlippedMemory(nn.Module):
+    """Cross-attention that reverses its memory over the batch inside the layer
+    (``memory.flip(0)``: each sequence's queries read another's memory) where ``flip``,
+    after a LayerNorm of the memory either way."""
+
+    def __init__(self, flip=False):
+        super().__init__()
+        torch.manual_seed(2)
+        self.flip = flip
+        self.norm = nn.LayerNorm(32)
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x, memory):
+        b, n, _ = x.shape
+        memory = self.norm(memory)
+        if self.flip:
+            memory = memory.flip(0)
+        m = memory.shape[1]
+        q = self.q(x).view(b, n, 4, 8).transpose(1, 2)
+        k = self.k(memory).view(b, m, 4, 8).transpose(1, 2)
+        v = self.v(memory).view(b, m, 4, 8).transpose(1, 2)
+        w = (q @ k.mT * 8**-0.5).softmax(-1)
+        return self.o((w @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+def test_a_cross_layer_reading_another_sequences_memory_is_batch_mixing():
+    assert check(lambda: _FlippedMemory().eval(), kind="cross").ok
+    report = check(lambda: _FlippedMemory(flip=True).eval(), kind="cross")
+    assert outcome(report) == ("scores", "batch_mixing"), report.to_text(color=False)

@@ -29,6 +29,12 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 38's first run (commit d71997d)
+    "r38/b05_tt_mask_only_for_window_layers": (
+        "inferred",
+        "the model builds no mask for its full-attention layers: with the kind inferred nothing "
+        "it computes says decoder",
+    ),
     # round 37's first run (commit 6a9957a)
     "r37/b14_tortoise_rel_pos_not_passed": "the model computes its relative bias and never "
     "passes it: the layer adds none, which is plain attention (passed)",

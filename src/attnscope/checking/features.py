@@ -975,7 +975,10 @@ class Features:
             if cond is None or cond in reach:
                 return None
             c = self.ops[cond].output.bool()
-            scores_first = len(op.args) > 1 and op.args[1] in reach
+            # where(hide, fill, scores) keeps the scores where the condition is false; a
+            # number as the fill is no tensor node, so the call's own second argument says
+            filled_first = len(op.call_args) > 1 and not isinstance(op.call_args[1], torch.Tensor)
+            scores_first = not filled_first and len(op.args) > 1 and op.args[1] in reach
             return self._judge_hidden(~c if scores_first else c, "torch.where")
         t = consts[0][1]
         if t.numel() <= 1 or t.dim() < 2:

@@ -1700,8 +1700,9 @@ class ModuleProbe:
     def _kv_input(self, rec: Recorder, ctx: torch.Tensor, st: Structure | None) -> torch.Tensor:
         """Cross-attention's context for the reference, ``(B, S, d)`` float64: what its
         key/value projections read where that is made from the second sequence alone (a
-        wrapper may norm it first), else the second sequence as given (keys read from the
-        wrong input: the reference still reads the right one)."""
+        wrapper may norm it first), each sequence's where the layer hands it to another
+        sequence's queries (see :meth:`_batch_order`), else the second sequence as given
+        (keys read from the wrong input: the reference still reads the right one)."""
         batched = ctx.dim() == 3
         given = ctx.detach().to(torch.float64)
         if st is not None and st.roles["k"]:
@@ -1710,7 +1711,8 @@ class ModuleProbe:
             if node is not None and g.roots(node) == {"input:1"}:
                 t = rec.ops[node].output.detach().to(torch.float64)
                 if t.shape[:-1] == given.shape[:-1]:
-                    given = t
+                    order = self._batch_order(rec, node) if batched else None
+                    given = t if order is None else t[order]
             elif st.call is not None:
                 # keys not read from it: the second sequence as the wrapper made it for the
                 # layer (Parler-TTS projects it first), the last such before the layer's call
@@ -1727,6 +1729,37 @@ class ModuleProbe:
                         given = t.detach().to(torch.float64)
                         break
         return given if batched else given.unsqueeze(0)
+
+    def _batch_order(self, rec: Recorder, node: int) -> list[int] | None:
+        """Where the layer's key/value input (op ``node`` of ``rec``) puts each sequence's
+        context: ``order[b]``, the row made from sequence ``b``'s, where an op on the way
+        from the second input reorders the batch (``memory.flip(0)`` inside the layer: each
+        sequence's queries read another sequence's memory, ``batch_mixing``); None where
+        none does. Read on the recorded tensors: an op whose output rows are its input's
+        rows in another order."""
+        g = Graph(rec)
+        order = None
+        for i in sorted(g.ancestors(node) | {node}):
+            op = rec.ops[i]
+            if not op.args or g.roots(i) != {"input:1"}:
+                continue
+            out, src = op.output, rec.ops[op.args[0]].output
+            if not isinstance(out, torch.Tensor) or out.shape != src.shape or out.dim() < 2:
+                continue
+            if out.shape[0] < 2 or torch.equal(out, src):
+                continue
+            rows = [
+                next((j for j in range(src.shape[0]) if torch.equal(out[r], src[j])), None)
+                for r in range(out.shape[0])
+            ]
+            if None in rows or sorted(rows) != list(range(out.shape[0])):
+                continue
+            # out[r] is src[rows[r]]: sequence b's row is where rows[r] == b
+            here = [rows.index(b) for b in range(len(rows))]
+            order = here if order is None else [here[j] for j in order]
+        if order is None or order == list(range(len(order))):
+            return None
+        return order
 
     def _kv_own(
         self, rec: Recorder, ctx: torch.Tensor, st: Structure | None

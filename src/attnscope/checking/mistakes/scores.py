@@ -191,6 +191,17 @@ def _batch_mixing(c: Context) -> list[Mutation]:
                 context=lambda w, v: w @ _refolded(v),
             ),
         ]
+    if c.spec.kind.cross and c.batch > 2:
+        # a cross layer's memory of the batch in reverse order (DUSt3R's two views swapped
+        # by ``flip(0)``; for two sequences the same as taking the other's)
+        out.append(
+            Mutation(
+                "batch_mixing",
+                _S,
+                "keys and values taken from another sequence of the batch (the batch reversed)",
+                qkv=lambda q, k, v: (q, k.flip(0), v.flip(0)),
+            )
+        )
     for what in ("keys", "keys and values"):
         out.append(
             Mutation(
