@@ -203,3 +203,90 @@ def test_a_cross_layer_reading_another_sequences_memory_is_batch_mixing():
     assert check(lambda: _FlippedMemory().eval(), kind="cross").ok
     report = check(lambda: _FlippedMemory(flip=True).eval(), kind="cross")
     assert outcome(report) == ("scores", "batch_mixing"), report.to_text(color=False)
+
+
+# ------------------------------------------------- a learned bias the model hands every layer
+
+
+class _BiasedBlock(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+        self.norm = nn.LayerNorm(32)
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x, position_bias):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        s = q @ k.mT * self.scale + position_bias
+        return x + self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+class _HandsItsBias(nn.Module):
+    """Token ids in; a relative bias made once by the model (``kind``: "learned", from an
+    ``nn.Embedding`` of clipped offsets; "fixed": minus the square root of the distance, no
+    parameter) handed to every layer; ``slip`` gives layer 1 the scale ``1 / d``."""
+
+    def __init__(self, kind="learned", slip=False):
+        super().__init__()
+        torch.manual_seed(3)
+        self.kind = kind
+        self.embed = nn.Embedding(50, 32)
+        self.table = nn.Embedding(9, 4)
+        self.layers = nn.ModuleList(
+            [_BiasedBlock(8**-0.5), _BiasedBlock(1 / 8 if slip else 8**-0.5)]
+        )
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        pos = torch.arange(n)
+        offset = pos[None, :] - pos[:, None]
+        if self.kind == "learned":
+            bias = self.table(offset.clamp(-4, 4) + 4).permute(2, 0, 1)[None]
+        else:
+            bias = -offset.abs().double().sqrt()[None, None].expand(1, 4, n, n)
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h, bias.to(h.dtype))
+        return self.head(h)
+
+
+def test_a_learned_bias_the_model_hands_every_layer_is_learned_in_each():
+    report = check(lambda: _HandsItsBias().eval())
+    assert report.ok, report.to_text(color=False)
+    assert [r.structure["bias"] for _, r in report.layers] == ["learned", "learned"]
+    slipped = check(lambda: _HandsItsBias(slip=True).eval())
+    assert slipped.first_layer == "layers.1", slipped.to_text(color=False)
+    assert slipped.first_failure.stage == "scaled_scores"
+    assert slipped.first_failure.mistake == "wrong_scale"
+
+
+def test_a_fixed_bias_the_model_hands_that_is_not_alibi_stays_refused():
+    with pytest.raises(AttnScopeError, match="not ALiBi's"):
+        check(lambda: _HandsItsBias(kind="fixed").eval())
+
+
+@pytest.mark.parametrize("name", ["t5", "mpnet"])
+def test_hugging_face_models_that_hand_their_relative_bias_to_every_layer(name):
+    transformers = pytest.importorskip("transformers")
+
+    def make():
+        torch.manual_seed(0)
+        if name == "t5":
+            cfg = transformers.T5Config(
+                vocab_size=96, d_model=64, d_kv=16, num_heads=4, num_layers=2, d_ff=128
+            )
+            return transformers.T5EncoderModel(cfg).eval()
+        cfg = transformers.MPNetConfig(
+            vocab_size=96,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+        )
+        return transformers.MPNetModel(cfg).eval()
+
+    report = check(make)
+    assert report.ok, report.to_text(color=False)
+    assert all(r.structure["bias"] == "learned" for _, r in report.layers)

@@ -43,10 +43,6 @@ _OPEN: dict[str, str | tuple[str, str]] = {
     "08_recurrentgemma_griffin_local_attention_layer_window_missing": "the layer holds "
     "window_size=None, as a global layer of a local/global model does by design: nothing "
     "tells the converter's slip from that (passed)",
-    # m10's first run (commit 566b051)
-    "04_hf_mpnet_relative_bias_encoder_ok": "refused, by design: MPNet's learned relative "
-    "position bias is not in the contract's vocabulary (not ALiBi), so no verdict is given; "
-    "its writer expected a pass",
     # m8's first run (commit 5c5bdec)
 }
 

@@ -7,7 +7,7 @@ import torch
 
 from .record import Op, Recorder
 
-__all__ = ["Graph", "LAYOUT_OPS", "replace_tensor"]
+__all__ = ["Graph", "HANDED", "LAYOUT_OPS", "replace_tensor"]
 
 T = torch.Tensor
 
@@ -55,6 +55,11 @@ LAYOUT_OPS = {
     "__get__",
     "data",
 }
+
+
+#: the leaf name prefix (after ``param:``) of a tensor a model hands a layer that it made
+#: from its trainable parameters alone (see :meth:`.model.ModelHost.learned_arguments`)
+HANDED = "handed:"
 
 
 class Graph:
@@ -114,6 +119,8 @@ class Graph:
                 continue
             seen.add(i)
             leaf = self.ops[i].leaf
+            if leaf is not None and leaf.startswith("param:" + HANDED):
+                return False  # made by the model from its trainable parameters: learned
             if leaf is not None and leaf.startswith("param:"):
                 leaves.append(self.original(i))
             stack.extend(self.ops[i].args)

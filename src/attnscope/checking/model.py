@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import AttnScopeError
 from ..stages import Kind, Stage
 from .compare import close
+from .dataflow import Graph
 from .decode import PROMPT, START, STEPS, check_decoding, decode_protocol
 from .probe import BATCH, ModuleProbe, first_tensor
 from .record import Recorder, tensors_in
@@ -221,6 +222,45 @@ class ModelHost:
             g = torch.Generator().manual_seed(self.seed + 104729 + 7919 * b + n)
             self._inputs[("memory", b, n)] = torch.randn(b, n + 3, self.width, generator=g)
         return self._inputs[("memory", b, n)]
+
+    def learned_arguments(self, layer: nn.Module, b: int, n: int) -> set:
+        """The arguments (positions or names) the model hands ``layer`` for an input of that
+        size that it made from its trainable parameters alone, not from the input: a
+        relative position bias the model computes once for every layer (T5's, MPNet's).
+        Read on one recorded run of the model, once per size."""
+        key = ("learned", id(layer), b, n)
+        if key in self._arguments:
+            return self._arguments[key]
+        self._arguments[key] = set()
+        leaves = {id(p): f"param:{name}" for name, p in self.model.named_parameters()}
+        x = self.input(b, n)
+        leaves[id(x)] = "input:0"
+        if self.sequences:
+            leaves[id(self.memory(b, n))] = "input:memory"
+        handed: dict = {}
+
+        def grab(mod, args, kwargs):
+            handed.setdefault("args", ([*enumerate(args), *kwargs.items()]))
+
+        hook = layer.register_forward_pre_hook(grab, with_kwargs=True)
+        rec = Recorder(leaves, self.model)
+        try:
+            with rec:
+                _, err = self.call(x)
+        finally:
+            hook.remove()
+        if err is not None or "args" not in handed:
+            return set()
+        g = Graph(rec)
+        learned = set()
+        for k, a in handed["args"]:
+            node = rec._latest.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if node is None or not a.is_floating_point() or not g.param[node]:
+                continue
+            if not g.frozen(node):
+                learned.add(k)
+        self._arguments[key] = learned
+        return learned
 
     def is_memory(self, t: object) -> bool:
         """Whether ``t`` is a second sequence this host handed the model (:meth:`memory`)."""

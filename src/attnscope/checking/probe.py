@@ -37,7 +37,7 @@ from ..stages import Kind, Stage
 from .alibi import Alibi, is_alibi, is_by_key, is_symmetric, read_slopes
 from .binding import Binding, bind_names, bind_structure
 from .compare import close
-from .dataflow import LAYOUT_OPS, Graph
+from .dataflow import HANDED, LAYOUT_OPS, Graph
 from .features import Unsupported, mask_shape, seen_keys
 from .judge import Call, Judge
 from .mistakes.projections import WRONG_CUTS, packed_scrambles
@@ -999,7 +999,24 @@ class ModuleProbe:
             # a model's layer records only its own calls: the probe as the layer takes it
             # (tokens first: a transpose made outside) is the input it reads
             leaves[id(self.entry.enter(x))] = "input:0"
+            leaves.update(self._handed_learned(x.shape[0], x.shape[1]))
         return Recorder(leaves, self.module, scope=scope)
+
+    def _handed_learned(self, b: int, n: int) -> dict[int, str]:
+        """The tensors the model hands this layer for ``b`` sequences of ``n`` tokens that
+        it made from its trainable parameters alone (a relative position bias made once for
+        every layer: T5's, MPNet's), as leaves of the layer's record: what the layer makes
+        from them is learned, as if made from its own parameters."""
+        got = self.host.arguments(self.entry.module, b, n)
+        if isinstance(got, str):
+            return {}
+        learned = self.host.learned_arguments(self.entry.module, b, n)
+        args, kwargs = got
+        return {
+            id(a): f"param:{HANDED}{k}"
+            for k, a in [*enumerate(args), *kwargs.items()]
+            if k in learned and isinstance(a, torch.Tensor)
+        }
 
     def _discover_in_model(self) -> Structure:
         """A layer of a model: where it takes its hidden states (found on a run of the
