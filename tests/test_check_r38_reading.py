@@ -290,3 +290,159 @@ def test_hugging_face_models_that_hand_their_relative_bias_to_every_layer(name):
     report = check(make)
     assert report.ok, report.to_text(color=False)
     assert all(r.structure["bias"] == "learned" for _, r in report.layers)
+
+
+# ---------------------------------------------------------------- round 39's first run
+
+
+class _Relaxed(nn.Module):
+    """PB-Relax as BEiT-3 and BEATs write it: the queries scaled by ``1 / alpha`` on top of
+    ``1 / sqrt(d)``, the scores' row maximum taken off and the scores multiplied by ``alpha``
+    again before the softmax: the scale is ``1 / sqrt(d)``, no multiplier of the weights."""
+
+    def __init__(self, alpha=32.0):
+        super().__init__()
+        torch.manual_seed(4)
+        self.alpha = alpha
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        q = q * 8**-0.5 * (1 / self.alpha)
+        s = q @ k.mT
+        s = (s - s.amax(-1, keepdim=True)) * self.alpha
+        return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+def test_a_factor_on_the_queries_undone_on_the_scores_is_no_multiplier():
+    report = check(lambda: _Relaxed().eval())
+    assert report.ok, report.to_text(color=False)
+    assert not any("muP" in n for n in report.notes), report.notes
+
+
+class _TableNeverAdded(_Relative):
+    """Holds its learned relative bias table and never adds it (a guard inverted)."""
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        w = (q @ k.transpose(-1, -2) / (d // self.h) ** 0.5).softmax(-1)
+        return self.out((w @ v).transpose(1, 2).reshape(b, n, d))
+
+
+def test_a_learned_bias_table_held_and_never_added_is_bias_missing():
+    report = check(lambda: _TableNeverAdded().eval())
+    assert outcome(report) == ("biased_scores", "bias_missing"), report.to_text(color=False)
+
+
+class _TopK(nn.Module):
+    """Cross-attention over the ``keep`` keys most relevant to the queries on average
+    (FlashVDM's key selection): sparse attention, not modelled."""
+
+    def __init__(self, keep=4):
+        super().__init__()
+        torch.manual_seed(5)
+        self.keep = keep
+        self.q, self.kv, self.o = nn.Linear(32, 32), nn.Linear(32, 64), nn.Linear(32, 32)
+
+    def forward(self, x, context):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, 4, 8).transpose(1, 2)
+        k, v = self.kv(context).view(b, -1, 4, 16).transpose(1, 2).split(8, -1)
+        top = (q @ k.mT).mean(-2).topk(min(self.keep, k.shape[-2]), dim=-1).indices
+        index = top[..., None].expand(-1, -1, -1, 8)
+        k, v = k.gather(-2, index), v.gather(-2, index)
+        w = (q @ k.mT * 8**-0.5).softmax(-1)
+        return self.o((w @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+def test_keys_selected_by_top_k_are_refused_naming_it():
+    with pytest.raises(AttnScopeError, match="not supported yet: a selection by topk"):
+        check(lambda: _TopK().eval(), kind="cross")
+
+
+class _Diffusion(nn.Module):
+    """A causal layer whose configuration's ``block_size`` (4) is a diffusion block, not
+    its context: it takes any length."""
+
+    block_size = 4
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, 32))
+
+
+def test_a_declared_size_shorter_than_the_probe_binds_only_where_longer_input_fails():
+    report = check(lambda: _Diffusion().eval())
+    assert report.ok, report.to_text(color=False)
+    assert report.checks[0].predicted[-2] >= 7  # probed at the usual length, not 3 tokens
+
+
+class _Cross(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(32, 32), nn.Linear(32, 64), nn.Linear(32, 32)
+
+    def forward(self, x, context=None):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, 4, 8).transpose(1, 2)
+        k, v = self.kv(context).view(b, -1, 4, 16).transpose(1, 2).split(8, -1)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, n, 32))
+
+
+class _TwoAttentions(nn.Module):
+    """A block of self-attention, then cross-attention over ``encoder_hidden_states``
+    (optional; the cross layer raises without it)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.norm1, self.norm2 = nn.LayerNorm(32), nn.LayerNorm(32)
+        self.attn1 = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.attn2 = _Cross()
+
+    def forward(self, hidden_states, encoder_hidden_states=None):
+        h = self.norm1(hidden_states)
+        hidden_states = hidden_states + self.attn1(h, h, h, need_weights=False)[0]
+        return hidden_states + self.attn2(self.norm2(hidden_states), encoder_hidden_states)
+
+
+def test_a_block_whose_cross_layer_needs_its_optional_sequence_is_checked_layer_by_layer():
+    report = check(lambda: _TwoAttentions().eval())
+    assert report.ok, report.to_text(color=False)
+    assert len(report.layers) == 2
+
+
+class _TimeMajor(nn.Module):
+    """fairseq's time-major layer, ``(tokens, batch, d)`` in; ``slip``: the keys viewed
+    straight as ``(batch * heads, tokens, head_dim)`` with no transpose."""
+
+    def __init__(self, slip=False):
+        super().__init__()
+        torch.manual_seed(8)
+        self.slip = slip
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):
+        t, b, _ = x.size()
+        q = self.q(x).contiguous().view(t, b * 4, 8).transpose(0, 1) * 8**-0.5
+        k = self.k(x).contiguous()
+        k = k.view(b * 4, t, 8) if self.slip else k.view(t, b * 4, 8).transpose(0, 1)
+        v = self.v(x).contiguous().view(t, b * 4, 8).transpose(0, 1)
+        w = torch.bmm(q, k.transpose(1, 2)).softmax(-1)
+        return self.o(torch.bmm(w, v).transpose(0, 1).contiguous().view(t, b, 32))
+
+
+def test_time_major_keys_viewed_with_no_transpose_are_heads_split():
+    assert check(lambda: _TimeMajor().eval()).ok
+    report = check(lambda: _TimeMajor(slip=True).eval())
+    assert outcome(report) == ("keys", "heads_split"), report.to_text(color=False)

@@ -29,6 +29,15 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 39's first run (commit c873a59)
+    "r39/b03_beats_probs_from_raw_scores": "the context made from the scores before the softmax "
+    "(shifted by their row maximum): the softmax computed and only returned beside is read as "
+    "the weights, so the context is blamed (context_wrong_product)",
+    "r39/c08_triposg_cross_rmsnorm_flashvdm_all_keys": "refused: FlashVDM's key selection by "
+    "topk (here keeping every key, reordered) is refused as top-k sparse attention; its writer "
+    "expected a pass",
+    "r39/b18_triposg_shared_condition_image": "refused with the same top-k key selection",
+    "r39/b21_triposg_flashvdm_values_not_gathered": "refused with the same top-k key selection",
     # round 38's first run (commit d71997d)
     "r38/b05_tt_mask_only_for_window_layers": (
         "inferred",
@@ -178,8 +187,6 @@ _OPEN = {
         "inferred",
         "keys and values read from the queries' input: nothing it computes says cross-attention",
     ),
-    "r19/r02_jais_topk_sparse": "top-k sparse weights (all but the k largest scores hidden) "
-    "judged masked_scores/mask_diagonal, not refused",
     "r19/r03_llama3_ref_relu_attention": "ReLU weights judged not_softmax, not refused (a "
     "slip or a design: nothing computed tells)",
     "r19/r04_fla_stickbreaking": "stick-breaking weights judged not_softmax, not refused",
@@ -331,6 +338,8 @@ _FEATURE_WORDS = {
     "position_dependent_query_scale": "temperature",  # round 35
     "relative_key_embeddings": "content-to-position terms of relative attention",  # 36
     "topk_sparse_attention": "top-k",  # round 37
+    "topk_key_selection": "top-k",  # round 39
+    "gated_relative_position_bias": "bias made from the input",
     "packed_block_diagonal_mask": "mask of another pattern",
     "qkv_clip": "clipped",
     "mot_experts": "different weights for different parts of the input",

@@ -37,6 +37,8 @@ def _spread(items: list, most: int) -> list:
 
 T = torch.Tensor
 
+#: ops that rank their input: a selection by them is top-k sparse attention
+_RANKING = {"topk", "sort", "argsort", "kthvalue", "msort"}
 _SCALAR_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "__rtruediv__", "mul_", "div_"}
 _SHIFT_OPS = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__", "sub_"}
 _ROTARY_CALLS = {"view_as_complex", "view_as_real", "polar", "complex"}
@@ -296,6 +298,7 @@ class Features:
                 self._qk_path(role, node)
             self._joined_rows(core)
             self._tokens_projected(core)
+            self._selected(core)
             self._score_path(core)
             self._gated(core)
             self._convolved(core)
@@ -450,6 +453,22 @@ class Features:
                         "of rows (a projection over the tokens, Linformer's low-rank step)",
                         op.location,
                     )
+
+    def _selected(self, core: Core) -> None:
+        """Keys, values or scores chosen by ranking something made from the input (``topk``,
+        a sort): sparse attention that keeps the k most relevant keys (FlashVDM's key
+        selection, top-k sparse weights), which the reference does not model."""
+        end = core.context if core.context is not None else core.fused
+        if end is None:
+            return
+        for i in sorted(self.g.ancestors(end.index)):
+            op = self.ops[i]
+            if op.name in _RANKING and any(self.g.tainted[a] for a in op.args):
+                self._refuse(
+                    f"a selection by {op.name} of what the input makes (top-k sparse "
+                    "attention: only the most relevant keys or scores kept)",
+                    op.location,
+                )
 
     def _refuse(self, what: str, where: str | None) -> None:
         at = f" at {where}" if where else ""
@@ -828,6 +847,11 @@ class Features:
                     learned = any(self.g.param[a] for a in joined)
                     what = "a learned logit (attention sink)" if learned else "a constant logit"
                     self._refuse(f"{what} joined to the scores before the softmax", op.location)
+            if i != start and not after_softmax and op.name in _SCALAR_OPS:
+                moved = [a for a in op.args if a in reach]
+                factor = constant_factor(self.g, op, moved[0]) if len(moved) == 1 else None
+                if factor is not None:
+                    s.score_factors.append(factor)
             if i != start:
                 self._varying_factor(op, reach)
                 if i not in after_softmax:

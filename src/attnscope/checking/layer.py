@@ -93,6 +93,10 @@ class Structure:
     #: ``key_multiplier``); the probe takes one that is no power of the layer's sizes as
     #: part of the layer's scale (see :meth:`.probe.ModuleProbe._multipliers`)
     qk_factors: dict[int, tuple[str, float, str | None]] = field(default_factory=dict)
+    #: the constants the scores are multiplied by between their product and the softmax
+    #: (a factor on the queries undone there: BEiT-3's and BEATs' ``q / alpha``, then the
+    #: scores ``* alpha`` after their max is taken off)
+    score_factors: list[float] = field(default_factory=list)
     #: the projections' ops that ``roles`` does not list: one weight applied again to
     #: another sequence of the batch (a loop over the sequences), read as the one it is
     repeats: set[int] = field(default_factory=set)

@@ -52,7 +52,7 @@ from .qknorm import (
 from .record import Op, Recorder, short_path, tensors_in
 from .reference import Spec, Weights, project, split
 from .relbias import LearnedBias, relative_table, same_for_every_key
-from .report import CheckReport, single_head
+from .report import CheckReport, Failure, StageCheck, single_head
 from .rotary import Rope, as_heads, fit_tables, read_rope
 from .structure import (
     SeveralLayers,
@@ -746,7 +746,12 @@ class ModuleProbe:
                 try:
                     st = read_structure(rec, self.module)
                 except AttnScopeError as exc:
-                    raise type(exc)(f"{self.tgt.text}: {exc}") from None
+                    again = type(exc)(f"{self.tgt.text}: {exc}")
+                    if isinstance(exc, SeveralLayers) and other is not None and not pair:
+                        # found with an optional second sequence handed in (a block or model
+                        # whose cross layers need one): the model check hands it too
+                        again.second = self._second_name()
+                    raise again from None
                 self._root_width = d
                 self._discovered_batched = x is batch
                 self.cross = st.cross is not None
@@ -1896,7 +1901,12 @@ class ModuleProbe:
 
     # ------------------------------------------------------------------ sizes and kind
     def _context_limit(self) -> int | None:
-        """The longest input the module takes (a probe-size bound, never a verdict)."""
+        """The longest input the module takes (a probe-size bound, never a verdict): the
+        size its configuration declares, unless a longer probe was seen to run (see
+        :meth:`_tokens`: SDAR's ``block_size`` is its diffusion block, not nanoGPT's
+        context)."""
+        if "limit" in self._cache:
+            return self._cache["limit"]
         m = self.entry.module if self.entry is not None else self.module
         for holder in (m, self.module, getattr(m, "config", None)):
             for attr in (
@@ -1926,6 +1936,16 @@ class ModuleProbe:
             if binding.num_heads:
                 taken |= {binding.num_heads, binding.d_out // binding.num_heads}
         limit = self._context_limit()
+        if binding is not None and limit is not None and limit < SIZES["tokens"]:
+            # a declared size shorter than the usual probe: a bound only where a probe of
+            # the usual length does not run
+            x = torch.randn(BATCH, SIZES["tokens"], binding.d_in, generator=self.discovery_gen)
+            try:
+                out, err = self._invoke(x)
+            except (RuntimeError, AttnScopeError):
+                err = "raised"
+            if err is None and isinstance(out, torch.Tensor) and self._shape_ok(out, x):
+                limit = self._cache["limit"] = None
         # a declared window shorter than the probe, by more than one key: a window one key
         # too wide must not read as no window at all
         # (or, with none declared, the one its mask shows)
@@ -2625,9 +2645,12 @@ class ModuleProbe:
         }
         if scale is not None:  # the declared scale folded in (Gemma's query_pre_attn_scalar)
             sized |= {scale, scale**0.5, 1 / scale, scale**-0.5}
+        undone = getattr(self.structure, "score_factors", None) or []
         for role, factor, where in found.values():
             if any(math.isclose(abs(factor), v, rel_tol=1e-4) for v in sized):
                 continue
+            if any(math.isclose(factor * c, 1.0, rel_tol=1e-6) for c in undone):
+                continue  # multiplied back on the scores before the softmax: no multiplier
             which = "queries" if role == "queries" else "keys"
             scale = (hd**-0.5 if scale is None else scale) * factor
             source = (
@@ -3009,6 +3032,8 @@ class ModuleProbe:
         judge.keys_named_first = self.structure is not None and keys_named_first(self.structure)
         report = judge.run(options)
         spec = judge.spec or options[0][1]
+        if report.ok and spec.position_bias is None and spec.multihead:
+            self._fail_unread_table(report, spec)
         report.structure = self._structure_report(spec)
         if spec.scale_source == _T5:
             report.notes.append(
@@ -3018,6 +3043,40 @@ class ModuleProbe:
             )
         report.layer = self._layer_path()
         return report
+
+    def _fail_unread_table(self, report: CheckReport, spec: Spec) -> None:
+        """A layer judged correct without a position bias that holds a per-head table its
+        output does not depend on (an ``nn.Embedding`` of one value per head, or a
+        ``(k, heads)`` parameter: a learned relative position bias, T5's buckets or Swin's
+        offsets): the bias built and never added (a guard inverted, a model that never
+        passes it), ``biased_scores``/``bias_missing``. A layer of a model is not asked (the
+        model may hand it the bias made from another layer's table)."""
+        if self.host is not None or spec.num_heads < 2:
+            return
+        m = self.entry.module if self.entry is not None else self.module
+        for name, p in m.named_parameters():
+            if p.dim() != 2 or p.shape[1] != spec.num_heads or p.shape[0] < 2:
+                continue
+            if self._reads_tensor(p):
+                continue
+            where = f"{name!r} {tuple(p.shape)}"
+            detail = (
+                f"no position bias added, though the layer holds a learned table of one value "
+                f"per head ({where}: a relative position bias) that its output does not depend on"
+            )
+            checks = [c for c in report.checks if c.stage in (Stage.QUERIES, Stage.KEYS)]
+            checks += [c for c in report.checks if c.stage in (Stage.VALUES, Stage.SCORES)]
+            checks += [c for c in report.checks if c.stage == Stage.SCALED_SCORES]
+            shape = checks[-1].predicted if checks else None
+            checks.append(StageCheck(Stage.BIASED_SCORES, False, detail, predicted=shape))
+            report.ok, report.checks = False, checks
+            report.first_failure = Failure(
+                Stage.BIASED_SCORES,
+                "bias_missing",
+                f"biased_scores: {detail}. Expected the layer's learned relative position "
+                "bias added to every score",
+            )
+            return
 
     def _longer_length(self) -> int | None:
         """The length a layer judged correct is checked at once more (see

@@ -165,6 +165,14 @@ def _split_channels_first(t: T, heads: int) -> T:
     return t.transpose(1, 2).reshape(b, heads, n, d // heads)
 
 
+def _split_tokens_first(t: T, heads: int) -> T:
+    """Tokens first ``(n, b, d)`` (fairseq's time-major layout) viewed straight as
+    ``(b * heads, n, hd)``, with no transpose through the tokens: rows of other tokens and
+    sequences mixed into each head."""
+    b, n, d = t.shape
+    return t.transpose(0, 1).reshape(b, heads, n, d // heads)
+
+
 def _split_interleaved(t: T, heads: int) -> T:
     b, n, d = t.shape
     return t.reshape(b, n, d // heads, heads).permute(0, 3, 1, 2)
@@ -209,6 +217,7 @@ def _heads_split(c: Context) -> list[Mutation]:
     inverses = {_split_tokens: _merge_tokens, _split_interleaved: _merge_interleaved}
     cuts = [(_split_tokens, "tokens"), (_split_interleaved, "interleaved features")]
     cuts.append((_split_channels_first, "the channels-first (b, d, tokens) layout"))
+    cuts.append((_split_tokens_first, "the tokens-first (tokens, b, d) layout, no transpose"))
     for bad, how in cuts:
         q = Stage.QUERIES
         out.append(Mutation("heads_split", q, f"heads cut from {how} (all of q, k, v)", split=bad))
