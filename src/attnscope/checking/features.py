@@ -836,6 +836,7 @@ class Features:
             if any(a in reach for a in op.args):
                 reach.add(op.index)
         after_softmax: set[int] = set()  # made from a softmax (or its exp) on the path
+        self._keys_axis = self._softmax_axis(reach)
         for i in sorted(reach):
             op = self.ops[i]
             if op.name == "tanh" and s.softcap is None and self._softmax_after(i, reach):
@@ -1022,7 +1023,7 @@ class Features:
             self._learned = bool(self.g.param[made]) and not self.g.frozen(made)
             self._bias_seen = t
             return ("bias", "a position bias added to the scores")
-        hidden = ~torch.isfinite(t64) | (t64 < -1e4)
+        hidden = ~torch.isfinite(t64) | (t64 <= -1e4)
         if not bool(hidden.any()) and bool((t64 > 1e4).any()):
             # the cells a mask hides, filled with a huge positive value: a mask with its sign
             # flipped (``-finfo.min``) is still where the layer masks (the judge names it)
@@ -1032,7 +1033,25 @@ class Features:
             return self._judge_hidden(low, "an additive mask of two finite values")
         return self._judge_hidden(hidden, "an additive mask")
 
+    def _softmax_axis(self, reach: set[int]) -> int | None:
+        """The axis the scores' softmax normalises, counted from the end (-1: the keys are
+        last, as usual), where a softmax on the path says; None where none does."""
+        for i in sorted(reach):
+            op = self.ops[i]
+            if op.name not in ("softmax", "_softmax", "log_softmax") or not op.args:
+                continue
+            dim = op.call_args[1] if len(op.call_args) > 1 else op.call_kwargs.get("dim")
+            if isinstance(dim, int):
+                n = self.ops[op.args[0]].output.dim()
+                return dim - n if dim >= 0 else dim
+        return None
+
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
+        keys = getattr(self, "_keys_axis", None)
+        if keys is not None and keys < -1 and hidden.dim() >= -keys:
+            # scores laid out keys first, queries last (Apple's Neural Engine layout
+            # (b, keys, 1, queries), softmax over axis 1): the mask read queries by keys
+            hidden = hidden.movedim(keys, -1)
         hidden = tokens_last(hidden)
         shape = mask_shape(hidden)
         if shape is None and _packed_batch(hidden, self._lead()):
@@ -1099,7 +1118,7 @@ class Features:
                         op.location,
                         learned=learned,
                     )
-                hides = ~torch.isfinite(m) | (m < -1e4)
+                hides = ~torch.isfinite(m) | (m <= -1e4)
                 low = _lower_triangle_kept(m) if not bool(hides.any()) else None
                 found = self._judge_hidden(
                     hides if low is None else low,

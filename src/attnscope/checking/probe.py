@@ -291,7 +291,7 @@ def _mask_like(buf: torch.Tensor) -> bool:
     if not buf.is_floating_point() and buf.dtype not in (torch.uint8, torch.int8):
         return False
     values = torch.unique(buf.float())
-    return values.numel() <= 2 and bool(((values == 0) | (values == 1) | (values < -1e4)).all())
+    return values.numel() <= 2 and bool(((values == 0) | (values == 1) | (values <= -1e4)).all())
 
 
 def _says_tokens_first(m: nn.Module, params: list) -> bool:
@@ -500,7 +500,8 @@ class _Entry:
     ``(B, H, W, d)`` with ``H * W = T`` (``grid`` is then ``(H, W)``), the batch
     flattened to its tokens ``(B * T, d)`` (``flat``: vLLM-style runners, packed batches),
     or channels first ``(B, d, T)`` (``channels_first``: VITS / Glow-TTS, whose 1x1 Conv1d
-    projections read the channels on axis 1)."""
+    projections read the channels on axis 1; with ``ones`` axes of size one before the
+    tokens, ``(B, d, 1, T)``: Apple's Neural Engine layout)."""
 
     def __init__(
         self,
@@ -511,10 +512,13 @@ class _Entry:
         grid=None,
         flat: bool = False,
         channels_first: bool = False,
+        ones: int = 0,
     ):
         self.module, self.path = module, path
         self.positions, self.tokens_first, self.grid = positions, tokens_first, grid
         self.flat, self.channels_first = flat, channels_first
+        #: axes of size one between the channels and the tokens (``(B, d, 1, T)``)
+        self.ones = ones
         #: the other float tensors the wrapper hands the layer, by argument (a mask, a
         #: position bias), as handed on the discovery run
         self.extras: dict = {}
@@ -537,6 +541,8 @@ class _Entry:
             sub = x.reshape(-1, x.shape[-1])
         elif self.channels_first:
             sub = x.transpose(1, 2)
+            for _ in range(self.ones):
+                sub = sub.unsqueeze(2)
         self._entered = (x, sub)
         return sub
 
@@ -558,8 +564,13 @@ class _Entry:
         """The layer's output back in ``(B, T, d)``."""
         if self.tokens_first and out.dim() == 3:
             return out.transpose(0, 1)
-        if self.channels_first and out.dim() == 3 and out.shape[0] == b and out.shape[2] == n:
-            return out.transpose(1, 2)
+        if (
+            self.channels_first
+            and out.dim() == 3 + self.ones
+            and out.shape[0] == b
+            and out.shape[-1] == n
+        ):
+            return out.reshape(b, out.shape[1], n).transpose(1, 2)
         if self.flat and out.dim() == 2 and out.shape[0] == b * n:
             return out.reshape(b, n, out.shape[-1])
         if self.grid is not None and out.shape[0] == b and math.prod(out.shape[1:-1]) == n:
@@ -1057,6 +1068,16 @@ class ModuleProbe:
             )
         ]
         lead = tuple(value.shape[:-1])
+        # channels first, tokens last, axes of one between ((B, d, T), or Apple's Neural
+        # Engine layout (B, d, 1, T) for its 1x1 Conv2d projections)
+        first = (
+            value.dim() >= 3
+            and value.shape[0] == BATCH
+            and value.shape[-1] == tokens
+            and value.shape[1] != tokens
+            and all(s == 1 for s in value.shape[2:-1])
+        )
+        width = value.shape[1] if first else value.shape[-1]
         self.entry = _Entry(
             self.module,
             self.host.path,
@@ -1064,6 +1085,8 @@ class ModuleProbe:
             lead == (tokens, BATCH),
             # an engine's flattened batch: (B * T, d), each sequence's tokens in turn
             flat=lead == (BATCH * tokens,),
+            channels_first=first,
+            ones=value.dim() - 3 if first else 0,
         )
         # what else the model hands it (a mask, a position bias), as handed
         self.entry.extras = {
@@ -1074,7 +1097,7 @@ class ModuleProbe:
             and a.is_floating_point()
             and a.dim() >= 2
         }
-        x = torch.randn(BATCH, tokens, value.shape[-1], generator=self.discovery_gen)
+        x = torch.randn(BATCH, tokens, width, generator=self.discovery_gen)
         self._handed_residuals(x, value.shape)
         # an unrecorded first call: whether the layer runs called on its own, or only
         # inside the model's forward (a record holds no half-run call)
@@ -2081,7 +2104,7 @@ class ModuleProbe:
             if t.dtype == torch.bool:
                 hidden = [t, ~t]
             elif t.is_floating_point():
-                hidden = [t < -1e4]
+                hidden = [t <= -1e4]
                 if bool(((t == 0) | (t == 1)).all()):
                     hidden.append(t == 0)
             else:

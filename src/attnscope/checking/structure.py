@@ -1107,7 +1107,7 @@ class _Reader:
             s.causal = f"is_causal=True at {op.location}"
         mask = a.get("attn_mask")
         if mask is not None:
-            shape = mask_shape(mask.bool() if mask.dtype == torch.bool else mask < -1e4)
+            shape = mask_shape(mask.bool() if mask.dtype == torch.bool else mask <= -1e4)
             if shape is not None and shape[0] in ("causal", "anti-causal"):
                 s.causal = f"a {shape[0]} attn_mask at {op.location}"
         q_roots = self.g.roots(q_node)
