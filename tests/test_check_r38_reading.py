@@ -446,3 +446,98 @@ def test_time_major_keys_viewed_with_no_transpose_are_heads_split():
     assert check(lambda: _TimeMajor().eval()).ok
     report = check(lambda: _TimeMajor(slip=True).eval())
     assert outcome(report) == ("keys", "heads_split"), report.to_text(color=False)
+
+
+# ---------------------------------------------------------------- m32 and round 40's first runs
+
+
+class _NeuralEngine(nn.Module):
+    """One attention layer in Apple's Neural Engine layout: hidden states ``(b, d, 1, n)``,
+    1x1 ``Conv2d`` projections, scores laid out keys first ``(b, keys, 1, queries)`` with the
+    softmax over axis 1, an additive mask of ``-1e4`` that hides the future and, with
+    ``window``, keys more than ``window - 1`` back."""
+
+    def __init__(self, window=None):
+        super().__init__()
+        self.window = window
+        self.q, self.k, self.v, self.o = (nn.Conv2d(32, 32, 1) for _ in range(4))
+
+    def forward(self, x):
+        n = x.shape[-1]
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        pos = torch.arange(n)
+        seen = pos[:, None] <= pos[None, :]  # (keys, queries)
+        if self.window is not None:
+            seen = seen & (pos[:, None] > pos[None, :] - self.window)
+        mask = torch.zeros(n, n, dtype=x.dtype).masked_fill(~seen, -1e4)[None, :, None, :]
+        outs = []
+        for h in range(4):
+            qh, kh, vh = (t[:, 8 * h : 8 * h + 8] for t in (q, k, v))
+            w = torch.einsum("bchq,bkhc->bkhq", qh, kh.transpose(1, 3)) * 8**-0.5
+            w = (w + mask).softmax(dim=1)
+            outs.append(torch.einsum("bkhq,bchk->bchq", w, vh))
+        return self.o(torch.cat(outs, dim=1))
+
+
+class _EngineModel(nn.Module):
+    def __init__(self, window=None):
+        super().__init__()
+        torch.manual_seed(9)
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList([_NeuralEngine(window), _NeuralEngine(window)])
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids):
+        x = self.embed(ids).transpose(1, 2).unsqueeze(2)  # (b, d, 1, n)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x.squeeze(2).transpose(1, 2))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_model_in_the_neural_engine_layout_is_checked_with_its_mask(window):
+    report = check(lambda: _EngineModel(window).eval())
+    assert report.ok, report.to_text(color=False)
+    assert [r.structure["window"] for _, r in report.layers] == [window, window]
+    assert all(r.kind == "causal-multihead" for _, r in report.layers)
+
+
+class _DropsItsBias(_BiasedBlock):
+    """The block's fused path: SDPA called with no mask, the bias it is handed dropped."""
+
+    def forward(self, x, position_bias):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return x + self.out(y.transpose(1, 2).reshape(b, n, 32))
+
+
+class _HandsBiasItDrops(nn.Module):
+    """One block handed the wrapper's learned relative bias, which it drops."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(10)
+        self.table = nn.Embedding(9, 4)
+        self.block = _DropsItsBias(8**-0.5)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1])
+        offset = (pos[None, :] - pos[:, None]).clamp(-4, 4) + 4
+        return self.block(x, self.table(offset).permute(2, 0, 1)[None])
+
+
+def test_a_learned_bias_a_wrapper_makes_and_its_layer_drops_is_bias_missing():
+    report = check(lambda: _HandsBiasItDrops().eval())
+    assert outcome(report) == ("biased_scores", "bias_missing"), report.to_text(color=False)
+
+
+def test_a_learned_bias_a_model_hands_and_its_second_layer_drops_is_bias_missing_there():
+    def make():
+        model = _HandsItsBias()
+        model.layers[1] = _DropsItsBias(8**-0.5)
+        return model.eval()
+
+    report = check(make)
+    assert report.first_layer == "layers.1", report.to_text(color=False)
+    assert report.first_failure.mistake == "bias_missing"

@@ -29,6 +29,16 @@ _SLICED_CAUSAL = (
 )
 
 _OPEN = {
+    # round 40's first run (commit 41695c7)
+    "r40/b07_alibi_sdpa_causal_not_folded": (
+        "inferred",
+        "the decoder's SDPA call given the ALiBi bias without the causal part: with the kind "
+        "inferred nothing it computes says decoder",
+    ),
+    "r40/b09_alibi_causal_fill_zero": "future scores filled with 0 beside ALiBi: named "
+    "masked_scores/other (no fill variant with the bias explains it exactly)",
+    "r40/r04_mbstr_behavior_specific_qkv": "refused, but naming a learned bias that is not "
+    "relative, not the projections chosen per behaviour",
     # round 39's first run (commit c873a59)
     "r39/b03_beats_probs_from_raw_scores": "the context made from the scores before the softmax "
     "(shifted by their row maximum): the softmax computed and only returned beside is read as "
@@ -339,6 +349,9 @@ _FEATURE_WORDS = {
     "relative_key_embeddings": "content-to-position terms of relative attention",  # 36
     "topk_sparse_attention": "top-k",  # round 37
     "topk_key_selection": "top-k",  # round 39
+    "alibi_2d": "not ALiBi's",  # round 38
+    "proximal_bias": "not ALiBi's",  # round 40
+    "behavior_specific_projections": "per behaviour",
     "gated_relative_position_bias": "bias made from the input",
     "packed_block_diagonal_mask": "mask of another pattern",
     "qkv_clip": "clipped",

@@ -3074,23 +3074,40 @@ class ModuleProbe:
         offsets): the bias built and never added (a guard inverted, a model that never
         passes it), ``biased_scores``/``bias_missing``. A layer of a model is not asked (the
         model may hand it the bias made from another layer's table)."""
-        if self.host is not None or spec.num_heads < 2:
+        if spec.num_heads < 2:
             return
-        m = self.entry.module if self.entry is not None else self.module
-        for name, p in m.named_parameters():
-            if p.dim() != 2 or p.shape[1] != spec.num_heads or p.shape[0] < 2:
-                continue
-            if self._reads_tensor(p):
-                continue
-            where = f"{name!r} {tuple(p.shape)}"
-            detail = (
-                f"no position bias added, though the layer holds a learned table of one value "
-                f"per head ({where}: a relative position bias) that its output does not depend on"
-            )
-            checks = [c for c in report.checks if c.stage in (Stage.QUERIES, Stage.KEYS)]
-            checks += [c for c in report.checks if c.stage in (Stage.VALUES, Stage.SCORES)]
-            checks += [c for c in report.checks if c.stage == Stage.SCALED_SCORES]
-            shape = checks[-1].predicted if checks else None
+        detail = None
+        if self.host is not None:
+            # a bias the model made from its parameters and hands the layer, which its
+            # output does not depend on (an SDPA branch that builds its mask without it)
+            n = self.calls[0].x.shape[1]
+            learned = self.host.learned_arguments(self.entry.module, BATCH, n)
+            for key, t in self.entry.extras.items():
+                if key in learned and t.shape[-2:] == (n, n) and not self._reads_argument(key):
+                    detail = (
+                        f"no position bias added, though the model hands the layer a learned "
+                        f"one ({key!r}, {tuple(t.shape)}) that its output does not depend on"
+                    )
+                    break
+        else:
+            # the layer's, then the target's (a wrapper keeps the table beside its block)
+            m = self.entry.module if self.entry is not None else self.module
+            held = {id(p): (n, p) for mod in (self.module, m) for n, p in mod.named_parameters()}
+            for name, p in held.values():
+                if p.dim() != 2 or p.shape[1] != spec.num_heads or p.shape[0] < 2:
+                    continue
+                if not self._reads_tensor(p):
+                    detail = (
+                        f"no position bias added, though the layer holds a learned table of one "
+                        f"value per head ({name!r} {tuple(p.shape)}: a relative position bias) "
+                        "that its output does not depend on"
+                    )
+                    break
+        if detail is not None:
+            # the walk up to the scaled scores, then the bias that is not there
+            after = (Stage.MASKED_SCORES, Stage.WEIGHTS, Stage.CONTEXT, Stage.OUTPUT)
+            checks = [c for c in report.checks if c.stage not in after]
+            shape = next((c.predicted for c in checks if c.stage == Stage.SCALED_SCORES), None)
             checks.append(StageCheck(Stage.BIASED_SCORES, False, detail, predicted=shape))
             report.ok, report.checks = False, checks
             report.first_failure = Failure(
@@ -3099,7 +3116,6 @@ class ModuleProbe:
                 f"biased_scores: {detail}. Expected the layer's learned relative position "
                 "bias added to every score",
             )
-            return
 
     def _longer_length(self) -> int | None:
         """The length a layer judged correct is checked at once more (see
