@@ -240,7 +240,7 @@ class ModelHost:
         handed: dict = {}
 
         def grab(mod, args, kwargs):
-            handed.setdefault("args", ([*enumerate(args), *kwargs.items()]))
+            handed.setdefault("args", [*enumerate(args), *kwargs.items()])
 
         hook = layer.register_forward_pre_hook(grab, with_kwargs=True)
         rec = Recorder(leaves, self.model)
@@ -254,7 +254,7 @@ class ModelHost:
         g = Graph(rec)
         learned = set()
         for k, a in handed["args"]:
-            node = rec._latest.get(id(a)) if isinstance(a, torch.Tensor) else None
+            node = rec.node_of(a) if isinstance(a, torch.Tensor) else None
             if node is None or not a.is_floating_point() or not g.param[node]:
                 continue
             if not g.frozen(node):

@@ -1961,14 +1961,14 @@ class ModuleProbe:
         limit = self._context_limit()
         if binding is not None and limit is not None and limit < SIZES["tokens"]:
             # a declared size shorter than the usual probe: a bound only where a probe of
-            # the usual length does not run
+            # the usual length does not run (tried once)
             x = torch.randn(BATCH, SIZES["tokens"], binding.d_in, generator=self.discovery_gen)
             try:
                 out, err = self._invoke(x)
             except (RuntimeError, AttnScopeError):
-                err = "raised"
-            if err is None and isinstance(out, torch.Tensor) and self._shape_ok(out, x):
-                limit = self._cache["limit"] = None
+                out, err = None, "raised"
+            runs = err is None and isinstance(out, torch.Tensor) and self._shape_ok(out, x)
+            limit = self._cache["limit"] = None if runs else limit
         # a declared window shorter than the probe, by more than one key: a window one key
         # too wide must not read as no window at all
         # (or, with none declared, the one its mask shows)
