@@ -227,40 +227,44 @@ class ModelHost:
         """The arguments (positions or names) the model hands ``layer`` for an input of that
         size that it made from its trainable parameters alone, not from the input: a
         relative position bias the model computes once for every layer (T5's, MPNet's).
-        Read on one recorded run of the model, once per size."""
-        key = ("learned", id(layer), b, n)
-        if key in self._arguments:
-            return self._arguments[key]
-        self._arguments[key] = set()
+        Read for every layer on one recorded run of the model, once per size."""
+        key = ("learned", b, n)
+        if key not in self._arguments:
+            self._arguments[key] = self._learned_by_layer(b, n)
+        return self._arguments[key].get(id(layer), set())
+
+    def _learned_by_layer(self, b: int, n: int) -> dict[int, set]:
         leaves = {id(p): f"param:{name}" for name, p in self.model.named_parameters()}
         x = self.input(b, n)
         leaves[id(x)] = "input:0"
         if self.sequences:
             leaves[id(self.memory(b, n))] = "input:memory"
-        handed: dict = {}
+        handed: dict[int, list] = {}
 
         def grab(mod, args, kwargs):
-            handed.setdefault("args", [*enumerate(args), *kwargs.items()])
+            handed.setdefault(id(mod), [*enumerate(args), *kwargs.items()])
 
-        hook = layer.register_forward_pre_hook(grab, with_kwargs=True)
+        layers = self.layers or []
+        hooks = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in layers]
         rec = Recorder(leaves, self.model)
         try:
             with rec:
                 _, err = self.call(x)
         finally:
-            hook.remove()
-        if err is not None or "args" not in handed:
-            return set()
+            for h in hooks:
+                h.remove()
+        if err is not None:
+            return {}
         g = Graph(rec)
-        learned = set()
-        for k, a in handed["args"]:
-            node = rec.node_of(a) if isinstance(a, torch.Tensor) else None
-            if node is None or not a.is_floating_point() or not g.param[node]:
-                continue
-            if not g.frozen(node):
-                learned.add(k)
-        self._arguments[key] = learned
-        return learned
+        out: dict[int, set] = {}
+        for layer, given in handed.items():
+            for k, a in given:
+                node = rec.node_of(a) if isinstance(a, torch.Tensor) else None
+                if node is None or not a.is_floating_point() or not g.param[node]:
+                    continue
+                if not g.frozen(node):
+                    out.setdefault(layer, set()).add(k)
+        return out
 
     def is_memory(self, t: object) -> bool:
         """Whether ``t`` is a second sequence this host handed the model (:meth:`memory`)."""
