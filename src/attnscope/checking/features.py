@@ -39,6 +39,8 @@ T = torch.Tensor
 
 #: ops that rank their input: a selection by them is top-k sparse attention
 _RANKING = {"topk", "sort", "argsort", "kthvalue", "msort"}
+#: ops that pick entries of a tensor at given indices
+_GATHERS = {"gather", "index_select", "take_along_dim", "__getitem__", "index"}
 _SCALAR_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "__rtruediv__", "mul_", "div_"}
 _SHIFT_OPS = {"add", "__add__", "__radd__", "add_", "sub", "__sub__", "__rsub__", "sub_"}
 _ROTARY_CALLS = {"view_as_complex", "view_as_real", "polar", "complex"}
@@ -298,11 +300,12 @@ class Features:
                 self._qk_path(role, node)
             self._joined_rows(core)
             self._tokens_projected(core)
-            self._selected(core)
             self._score_path(core)
             self._gated(core)
             self._convolved(core)
         self._multiplied_softmaxes()
+        for core in cores:  # after the rest: what they name of a selection comes first
+            self._selected(core)
 
     def _cached(self, core: Core) -> None:
         """Keys or values written in place into a tensor not made from the input (a buffer,
@@ -461,14 +464,37 @@ class Features:
         end = core.context if core.context is not None else core.fused
         if end is None:
             return
-        for i in sorted(self.g.ancestors(end.index)):
+        before = self.g.ancestors(end.index)
+        kv = set()  # what the keys and values the core reads are made from
+        for node in (core.k_node, core.v_node):
+            if node is not None:
+                kv |= self.g.ancestors(node)
+        for i in sorted(before):
             op = self.ops[i]
             if op.name in _RANKING and any(self.g.tainted[a] for a in op.args):
-                self._refuse(
+                what = (
                     f"a selection by {op.name} of what the input makes (top-k sparse "
-                    "attention: only the most relevant keys or scores kept)",
-                    op.location,
+                    "attention: only the most relevant keys or scores kept)"
                 )
+                if i in kv or self._gathers_by(i, before | {end.index}):
+                    self._refuse(what, op.location)  # the keys or values themselves chosen
+                self._unmodelled(what, op.location)
+                return
+
+    def _gathers_by(self, rank: int, within: set[int]) -> bool:
+        """Whether an op among ``within`` picks rows of a tensor made from the input (the
+        keys, the values) at indices the ranking op ``rank`` made (FlashVDM's
+        ``gather(key, -2, topk(...).indices)``)."""
+        for i in sorted(within):
+            op = self.ops[i]
+            if op.name not in _GATHERS or len(op.args) < 2 or i <= rank:
+                continue
+            data, picks = op.args[0], op.args[1:]
+            made_by_rank = rank in self.g.ancestors(data) or data == rank
+            by_rank = any(a == rank or rank in self.g.ancestors(a) for a in picks)
+            if self.g.tainted[data] and not made_by_rank and by_rank:
+                return True
+        return False
 
     def _refuse(self, what: str, where: str | None) -> None:
         at = f" at {where}" if where else ""

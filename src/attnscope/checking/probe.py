@@ -1028,10 +1028,13 @@ class ModuleProbe:
             return {}
         learned = self.host.learned_arguments(self.entry.module, b, n)
         args, kwargs = got
+        # shaped as scores, token by token (another sequence made from the model's weights
+        # and a buffer of data, Whisper's audio, is an input the layer reads, not a bias)
         return {
             id(a): f"param:{HANDED}{k}"
             for k, a in [*enumerate(args), *kwargs.items()]
-            if k in learned and isinstance(a, torch.Tensor)
+            if k in learned and isinstance(a, torch.Tensor) and a.dim() >= 2
+            if a.shape[-2:] == (n, n)
         }
 
     def _discover_in_model(self) -> Structure:
@@ -3069,11 +3072,11 @@ class ModuleProbe:
 
     def _fail_unread_table(self, report: CheckReport, spec: Spec) -> None:
         """A layer judged correct without a position bias that holds a per-head table its
-        output does not depend on (an ``nn.Embedding`` of one value per head, or a
-        ``(k, heads)`` parameter: a learned relative position bias, T5's buckets or Swin's
-        offsets): the bias built and never added (a guard inverted, a model that never
-        passes it), ``biased_scores``/``bias_missing``. A layer of a model is not asked (the
-        model may hand it the bias made from another layer's table)."""
+        output does not depend on (an ``nn.Embedding`` of one value per head: a learned
+        relative position bias, T5's buckets), or is handed a learned bias it drops: the
+        bias built and never added (a guard inverted, a model that never
+        passes it), ``biased_scores``/``bias_missing``. A model's layer is asked only of what
+        the model hands it (the model may hand it a bias made from another layer's table)."""
         if spec.num_heads < 2:
             return
         detail = None
@@ -3090,17 +3093,23 @@ class ModuleProbe:
                     )
                     break
         else:
-            # the layer's, then the target's (a wrapper keeps the table beside its block)
+            # an embedding of one value per head (a bucket's or an offset's bias per head),
+            # the layer's or the target's (a wrapper keeps the table beside its block); not
+            # any parameter of that width (talking heads' (heads, heads) map, unused in a
+            # layer built without them, is none)
             m = self.entry.module if self.entry is not None else self.module
-            held = {id(p): (n, p) for mod in (self.module, m) for n, p in mod.named_parameters()}
-            for name, p in held.values():
-                if p.dim() != 2 or p.shape[1] != spec.num_heads or p.shape[0] < 2:
-                    continue
-                if not self._reads_tensor(p):
+            held = {
+                id(e): (n, e)
+                for mod in (self.module, m)
+                for n, e in mod.named_modules()
+                if isinstance(e, nn.Embedding) and e.embedding_dim == spec.num_heads
+            }
+            for name, e in held.values():
+                if e.num_embeddings > 1 and not self._reads_tensor(e.weight):
                     detail = (
                         f"no position bias added, though the layer holds a learned table of one "
-                        f"value per head ({name!r} {tuple(p.shape)}: a relative position bias) "
-                        "that its output does not depend on"
+                        f"value per head ({name!r}, an embedding of {e.num_embeddings}: a "
+                        "relative position bias) that its output does not depend on"
                     )
                     break
         if detail is not None:
