@@ -228,6 +228,9 @@ class ModelHost:
         size that it made from its trainable parameters alone, not from the input: a
         relative position bias the model computes once for every layer (T5's, MPNet's).
         Read for every layer on one recorded run of the model, once per size."""
+        got = self.arguments(layer, b, n)
+        if isinstance(got, str) or not any(_bias_like(a, n) for a in tensors_in(got)):
+            return set()  # nothing handed that could be a bias: no recorded run
         key = ("learned", b, n)
         if key not in self._arguments:
             self._arguments[key] = self._learned_by_layer(b, n)
@@ -303,6 +306,15 @@ class ModelHost:
             return f"the model did not call {self.path!r}"
         args, kwargs = got[id(layer)]
         return tuple(_State.fresh(a) for a in args), {k: _State.fresh(a) for k, a in kwargs.items()}
+
+
+def _bias_like(t: torch.Tensor, n: int) -> bool:
+    """A float tensor token by token (``(..., n, n)``) of more than two finite values: a
+    position bias, not a mask."""
+    if not t.is_floating_point() or t.dim() < 2 or tuple(t.shape[-2:]) != (n, n):
+        return False
+    finite = t[torch.isfinite(t) & (t > -1e4)]
+    return torch.unique(finite).numel() > 2
 
 
 class _State:
