@@ -274,6 +274,8 @@ class Features:
         self.window_seen = 0  # the window of the last band-shaped mask judged
         self._bias_seen: T | None = None
         self._learned = False  # the bias seen is made from trainable parameters
+        #: the axis the scores' softmax normalises, from the end, on the path judged
+        self._keys_axis: int | None = None
         #: how the last mask judged was applied, where it hid some scores in a layout no
         #: reading placed (see _judge_hidden)
         self._unread: str | None = None
@@ -852,6 +854,7 @@ class Features:
 
     def _score_path(self, core: Core) -> None:
         s = self.s
+        self._keys_axis = None
         if core.fused is not None:
             return self._fused_masks(core)
         self._added_in_product(core.score)
@@ -1073,11 +1076,15 @@ class Features:
         return None
 
     def _judge_hidden(self, hidden: T, how: str) -> tuple[str, str] | None:
-        keys = getattr(self, "_keys_axis", None)
+        keys = self._keys_axis
         if keys is not None and keys < -1 and hidden.dim() >= -keys:
             # scores laid out keys first, queries last (Apple's Neural Engine layout
-            # (b, keys, 1, queries), softmax over axis 1): the mask read queries by keys
-            hidden = hidden.movedim(keys, -1)
+            # (b, keys, 1, queries), softmax over axis 1): the mask read queries by keys,
+            # where it reads so and not as laid out (a softmax over the wrong axis of
+            # usual scores keeps its mask's reading)
+            moved = tokens_last(hidden.movedim(keys, -1))
+            if mask_shape(tokens_last(hidden)) is None and mask_shape(moved) is not None:
+                hidden = moved
         hidden = tokens_last(hidden)
         shape = mask_shape(hidden)
         if shape is None and _packed_batch(hidden, self._lead()):
