@@ -126,6 +126,11 @@ class Graph:
             stack.extend(self.ops[i].args)
         return bool(leaves) and not any(t.requires_grad for t in leaves)
 
+    def learned(self, node: int) -> bool:
+        """Made from trainable parameters (and not from the input): a parameter, or what one
+        makes, not every one of them frozen."""
+        return bool(self.param[node]) and not self.frozen(node)
+
     def original(self, node: int) -> T:
         """The tensor as the target had it (not the recorded detached alias)."""
         return self.rec._alive[node]

@@ -37,6 +37,22 @@ def _spread(items: list, most: int) -> list:
 
 T = torch.Tensor
 
+#: entries at or below this hide their cells (a mask's finfo.min, -1e9, -1e4), not values
+HIDDEN = -1e4
+
+
+def hides(t: T) -> T:
+    """Where an additive mask or bias hides its cells: not finite, or at most :data:`HIDDEN`."""
+    return ~torch.isfinite(t) | (t <= HIDDEN)
+
+
+def bias_like(t: T) -> bool:
+    """Whether an additive tensor holds more than two values where it does not hide: a
+    position bias (or a bias made from the input), not a mask of 0 and a fill."""
+    t = t.detach().double()
+    return torch.unique(t[~hides(t)]).numel() > 2
+
+
 #: ops that rank their input: a selection by them is top-k sparse attention
 _RANKING = {"topk", "sort", "argsort", "kthvalue", "msort"}
 #: ops that pick entries of a tensor at given indices
@@ -944,9 +960,7 @@ class Features:
             t = self.ops[a].output.detach()
             if not t.is_floating_point() or t.dim() < 2 or t.numel() <= 1:
                 continue
-            t64 = t.double()
-            finite = t64[torch.isfinite(t64) & (t64 > -1e4)]
-            if torch.unique(finite).numel() > 2:
+            if bias_like(t):
                 self._unmodelled(
                     "a bias made from the input added to the scores (a data-dependent bias: "
                     "a forget gate, or content-to-position terms of relative attention?)",
@@ -973,10 +987,8 @@ class Features:
         beta = op.call_kwargs.get("beta", 1)
         if not isinstance(added, torch.Tensor) or added.dim() < 1 or beta == 0:
             return
-        t = added.detach().double()
-        finite = t[torch.isfinite(t) & (t > -1e4)]
-        if torch.unique(finite).numel() > 2:
-            learned = bool(op.args) and self.g.param[op.args[0]] and not self.g.frozen(op.args[0])
+        if bias_like(added):
+            learned = bool(op.args) and self.g.learned(op.args[0])
             # baddbmm(bias, q, k^T, alpha=scale): the bias is not scaled
             self.s.bias = BiasSeen(
                 added.detach(), tuple(op.output.shape), op.location, learned=learned
@@ -1045,14 +1057,11 @@ class Features:
             t = -t  # the scores minus a tensor: that tensor's negative added
         # additive: a mask (0 / very negative) or a bias (many finite values)
         t64 = t.double()
-        finite = t64[torch.isfinite(t64) & (t64 > -1e4)]
-        distinct = torch.unique(finite).numel()
-        if distinct > 2:
-            made = op.args[consts[0][0]]
-            self._learned = bool(self.g.param[made]) and not self.g.frozen(made)
+        if bias_like(t64):
+            self._learned = self.g.learned(op.args[consts[0][0]])
             self._bias_seen = t
             return ("bias", "a position bias added to the scores")
-        hidden = ~torch.isfinite(t64) | (t64 <= -1e4)
+        hidden = hides(t64)
         if not bool(hidden.any()) and bool((t64 > 1e4).any()):
             # the cells a mask hides, filled with a huge positive value: a mask with its sign
             # flipped (``-finfo.min``) is still where the layer masks (the judge names it)
@@ -1132,8 +1141,7 @@ class Features:
                 found = self._judge_hidden(~mask, "a boolean attn_mask")
             else:
                 m = mask.double()
-                finite = m[torch.isfinite(m) & (m > -1e4)]
-                if torch.unique(finite).numel() > 2:
+                if bias_like(m):
                     node = next(
                         (
                             a
@@ -1143,18 +1151,17 @@ class Features:
                         ),
                         None,
                     )
-                    learned = node is not None and bool(self.g.param[node])
-                    learned = learned and not self.g.frozen(node)
+                    learned = node is not None and self.g.learned(node)
                     self.s.bias = BiasSeen(
                         mask.detach(),
                         tuple(op.output.shape[:-1]) + (mask.shape[-1],),
                         op.location,
                         learned=learned,
                     )
-                hides = ~torch.isfinite(m) | (m <= -1e4)
-                low = _lower_triangle_kept(m) if not bool(hides.any()) else None
+                hidden = hides(m)
+                low = _lower_triangle_kept(m) if not bool(hidden.any()) else None
                 found = self._judge_hidden(
-                    hides if low is None else low,
+                    hidden if low is None else low,
                     "an additive attn_mask" + ("" if low is None else " of two finite values"),
                 )
             if found is not None:

@@ -25,6 +25,7 @@ from ..stages import Kind, Stage
 from .compare import close
 from .dataflow import Graph
 from .decode import PROMPT, START, STEPS, check_decoding, decode_protocol
+from .features import bias_like
 from .probe import BATCH, ModuleProbe, first_tensor
 from .record import Recorder, tensors_in
 from .report import CheckReport, Failure, ModelReport, StageCheck
@@ -263,9 +264,7 @@ class ModelHost:
         for layer, given in handed.items():
             for k, a in given:
                 node = rec.node_of(a) if isinstance(a, torch.Tensor) else None
-                if node is None or not a.is_floating_point() or not g.param[node]:
-                    continue
-                if not g.frozen(node):
+                if node is not None and a.is_floating_point() and g.learned(node):
                     out.setdefault(layer, set()).add(k)
         return out
 
@@ -309,12 +308,9 @@ class ModelHost:
 
 
 def _bias_like(t: torch.Tensor, n: int) -> bool:
-    """A float tensor token by token (``(..., n, n)``) of more than two finite values: a
-    position bias, not a mask."""
-    if not t.is_floating_point() or t.dim() < 2 or tuple(t.shape[-2:]) != (n, n):
-        return False
-    finite = t[torch.isfinite(t) & (t > -1e4)]
-    return torch.unique(finite).numel() > 2
+    """A float tensor token by token (``(..., n, n)``) that is a bias, not a mask."""
+    ok = t.is_floating_point() and t.dim() >= 2 and tuple(t.shape[-2:]) == (n, n)
+    return ok and bias_like(t)
 
 
 class _State:

@@ -19,13 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .alibi import per_head_views
-from .features import Unsupported
+from .features import Unsupported, hides
 
 __all__ = ["LearnedBias", "relative_table", "same_for_every_key"]
 
 T = torch.Tensor
-
-_HIDDEN = -1e4  # entries at or below this are a mask folded into the bias, not its values
 
 
 def _is_relative(e: T) -> bool:
@@ -34,7 +32,7 @@ def _is_relative(e: T) -> bool:
     n = e.shape[-1]
     if e.shape[-2] != n or n < 2:
         return False
-    seen = torch.isfinite(e) & (e > _HIDDEN)
+    seen = ~hides(e)  # a mask folded into the bias hides cells, not values of it
     if not bool(seen.any()):
         return False
     tol = 1e-5 * (1 + e[seen].abs().max())
@@ -58,8 +56,7 @@ def relative_table(tensor: T, scores_shape: tuple[int, ...], heads: int) -> T | 
     None where it is not one."""
     for e in per_head_views(tensor, scores_shape, heads):
         if _is_relative(e):
-            seen = torch.isfinite(e[0]) & (e[0] > _HIDDEN)
-            return e[0].masked_fill(~seen, 0.0)
+            return e[0].masked_fill(hides(e[0]), 0.0)
     return None
 
 
