@@ -41,8 +41,6 @@ _OPEN = {
         "the decoder's SDPA call given the ALiBi bias without the causal part: with the kind "
         "inferred nothing it computes says decoder",
     ),
-    "r40/b09_alibi_causal_fill_zero": "future scores filled with 0 beside ALiBi: named "
-    "masked_scores/other (no fill variant with the bias explains it exactly)",
     "r40/r04_mbstr_behavior_specific_qkv": "refused, but naming a learned bias that is not "
     "relative, not the projections chosen per behaviour",
     # round 39's first run (commit c873a59)

@@ -13,13 +13,6 @@ from attnscope import ModelReport, check
 #: the first run left these open: each is a strict expected failure, so that the day it is
 #: fixed the test says so and leaves the list
 _OPEN: dict[str, str | tuple[str, str]] = {
-    # m32's first run (commit da4ccea)
-    "06_thumt_layer2_scale_operator_precedence": "queries multiplied by 128 (64 // 4 ** -0.5, "
-    "the parentheses lost): the softmax saturates and the layer is named scores/not_dot_product, "
-    "not scaled_scores/wrong_scale",
-    "11_gluonnlp_decode_states_not_returned_after_prompt": "the cache the prompt filled not "
-    "handed back: step 1 named cache_positions (the position counted from the cache moves "
-    "too), not cache_stale",
     # m30's first run (commit 6a9957a)
     "03_step1_sqrt_alibi_gqa_paged_blocks_ok": "refused, by design: Step1's bias grows with "
     "the square root of the distance, which is not ALiBi (round 31 wrote it as a feature to "

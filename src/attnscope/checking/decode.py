@@ -219,6 +219,9 @@ class _Driver:
         #: the sizes of the axes of every tensor the cache holds, after the prompt and after
         #: each step (see :meth:`overfull`)
         self._sizes: list[list[tuple[int, ...]]] = []
+        #: the steps that handed back the very cache they were handed, every tensor of it
+        #: unchanged (see :meth:`unchanged_before`)
+        self._unchanged: list[int] = []
 
     def _at(self, ids: torch.Tensor, pos: int) -> dict:
         """``start_pos=pos`` where the caller keeps the position, and the position moved on."""
@@ -249,10 +252,17 @@ class _Driver:
 
     def step(self, ids: torch.Tensor):
         if self.protocol == "hf":
+            handed = [t.clone() for t in _held(self._cache)]
             out = self.model(ids, **{self.param: self._cache}, **self.on)
             self._cache = _returned_cache(out)
             if self._cache is None:
                 raise _NoCache("a step with use_cache=True returned no cache")
+            back = _held(self._cache)
+            same = len(back) == len(handed) and all(
+                a.shape == b.shape and torch.equal(a, b) for a, b in zip(handed, back, strict=False)
+            )
+            if handed and same:
+                self._unchanged.append(len(self._sizes) - 1)
             self._sizes.append(_sizes(self._cache))
             return out
         if self.protocol == "buffers":
@@ -278,6 +288,11 @@ class _Driver:
                     return z[axis]
         return None
 
+    def unchanged_before(self, step: int) -> int | None:
+        """The first step before ``step`` that handed back the cache it was handed, nothing
+        of its token stored (GluonNLP's states returned as they came); else None."""
+        return next((t for t in self._unchanged if t < step), None)
+
     def _reset(self) -> None:
         reset = _reset_method(self.model)
         if reset is not None:
@@ -290,11 +305,11 @@ class _NoCache(RuntimeError):
     """A Hugging Face-style call that returned no cache to pass back."""
 
 
-def _sizes(cache, depth: int = 0) -> list[tuple[int, ...]]:
-    """The shapes of the tensors a cache holds, in a fixed order (tuples, lists, dicts and
-    plain objects walked a few levels deep)."""
+def _held(cache, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors a cache holds, in a fixed order (tuples, lists, dicts and plain objects
+    walked a few levels deep)."""
     if isinstance(cache, torch.Tensor):
-        return [tuple(cache.shape)]
+        return [cache]
     if depth > 4:
         return []
     if isinstance(cache, Mapping):
@@ -305,7 +320,12 @@ def _sizes(cache, depth: int = 0) -> list[tuple[int, ...]]:
         items = list(vars(cache).values())
     else:
         return []
-    return [s for item in items for s in _sizes(item, depth + 1)]
+    return [t for item in items for t in _held(item, depth + 1)]
+
+
+def _sizes(cache) -> list[tuple[int, ...]]:
+    """The shapes of the tensors a cache holds (see :func:`_held`)."""
+    return [tuple(t.shape) for t in _held(cache)]
 
 
 def _returned_cache(out):
@@ -688,6 +708,16 @@ def check_decoding(
                         f"the cache holds {held} entries along its tokens' axis after "
                         f"{pos + 1} tokens: it was updated more than once for a token (what "
                         f"follows from its length, a position, is off too: {why})"
+                    )
+                kept = drive.unchanged_before(t)
+                if kept is not None and code in ("cache_positions", "cache_other"):
+                    # the cache came back as it was handed: one token short from then on, and
+                    # whatever follows from its length (a position) is off by as much
+                    code, where = "cache_stale", None
+                    why = (
+                        f"step {kept} handed back the cache it was handed, unchanged: its "
+                        f"token's key and value were never stored (what follows from the "
+                        f"cache's length, a position, is off too: {why})"
                     )
                 seen = f"its output for the new token differs from the full pass: {why}"
                 if code == "cache_other" and t > 0:

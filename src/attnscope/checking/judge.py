@@ -654,7 +654,7 @@ class Judge:
                 total += (d.max() / max(call.out.abs().max().item(), 1e-12)).item()
             return total
 
-        grid = [10 ** (e / 10) for e in range(-40, 21)]
+        grid = [10 ** (e / 10) for e in range(-40, 31)]  # up to 1000: a lost parenthesis
         errs = [err(c) for c in grid]
         i = min(range(len(grid)), key=errs.__getitem__)
         lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]

@@ -476,6 +476,43 @@ def _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens):
     return out
 
 
+def _multiplier_of_one(reports, probes, layers, tgt, host, seed, timeout, tokens, kind):
+    """A failing layer whose queries or keys carry a constant read as a muP multiplier (no
+    power of its sizes, part of the scale), where the other layers of its stack
+    (:func:`_stack_of`) carry none and pass: a multiplier of the weights is the model's, the
+    same in every layer, so this one is a slip in the scale (THUMT's ``64 // 4 ** -0.5``,
+    the parentheses lost: the queries times 128) and the layer is judged again with the
+    constant as it stands. Only a failing layer is judged again: a layer that passes with
+    its own factor (GPT-2's ``scale_attn_by_inverse_layer_idx``) stays passed."""
+    stacks: dict[tuple, list[int]] = {}
+    for i, ((path, _), layer) in enumerate(zip(reports, layers, strict=True)):
+        stacks.setdefault(_stack_of(path, layer), []).append(i)
+    out = list(reports)
+    for members in stacks.values():
+        plain = [i for i in members if reports[i][1].ok and not probes[i].multipliers]
+        if not plain:
+            continue
+        for i in members:
+            (path, report), probe = reports[i], probes[i]
+            if report.ok or not probe.multipliers:
+                continue
+            host.path = path
+            sub = Target(layers[i], f"{tgt.text} {path}", "instance")
+            again = ModuleProbe(sub, kind, seed, timeout, None, tokens, host=host)
+            again.plain_factors = True
+            fresh = again.run()
+            if fresh.ok:
+                continue
+            which, factor, where = probe.multipliers[0]
+            fresh.notes.append(
+                f"the {which} multiplied by {factor:.6g} at {where}: judged as part of the "
+                f"scale as written, not as a multiplier of the weights, since the other "
+                f"layers of its stack ({reports[plain[0]][0]}) carry no such factor"
+            )
+            out[i] = (path, fresh)
+    return out
+
+
 def _feeds(host: ModelHost, layer: nn.Module, cross: nn.Module, key) -> bool:
     """Whether ``layer``'s output reaches the other sequence the model hands the
     cross-attention layer ``cross`` (in argument ``key``): its output nudged, that sequence
@@ -757,6 +794,7 @@ def check_model(
     if kind is not None and any(p.cross for p in probes):
         reports = _encoder_inferred(reports, probes, layers, tgt, host, seed, timeout, tokens)
     reports = _memory_unread(reports, probes, host)
+    reports = _multiplier_of_one(reports, probes, layers, tgt, host, seed, timeout, tokens, kind)
     if kind is None:
         reports = _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens)
     decoded = None

@@ -637,6 +637,10 @@ class ModuleProbe:
         self._root_inputs: dict[tuple, torch.Tensor] = {}
         self._root_width = _WEIGHTLESS_WIDTH
         self._cache: dict = {}
+        #: (which, factor, line) of each constant read as a muP multiplier (part of the
+        #: scale); with ``plain_factors`` none is (the layer's siblings in a model carry none)
+        self.multipliers: list[tuple[str, float, str | None]] = []
+        self.plain_factors = False
         self._leaf_names = {id(p): f"param:{n}" for n, p in self.module.named_parameters()}
         self._leaf_names.update({id(b): f"buffer:{n}" for n, b in self.module.named_buffers()})
 
@@ -2644,6 +2648,20 @@ class ModuleProbe:
             if isinstance(v, float) and v > 0:
                 scale, source = v, f"attention_multiplier = {v:g}"
                 break
+        for holder in (getattr(m, "config", None), getattr(self.module, "config", None)):
+            # GPT-2's options: no scale at all, or the scale divided by the layer's number
+            if getattr(holder, "scale_attn_weights", True) is False:
+                scale, source = 1.0, "none (scale_attn_weights=False)"
+            idx = getattr(m, "layer_idx", None)
+            inverse = getattr(holder, "scale_attn_by_inverse_layer_idx", False) is True
+            if inverse and isinstance(idx, int) and not isinstance(idx, bool) and idx >= 0:
+                scale = (head_dim**-0.5 if scale is None else scale) / (idx + 1)
+                source = (
+                    f"{source or f'1/sqrt(d_k) = 1/sqrt({head_dim})'} divided by layer_idx "
+                    f"+ 1 = {idx + 1} (scale_attn_by_inverse_layer_idx)"
+                )
+            if holder is not None and (inverse or scale is not None):
+                break
         factor = getattr(self._hf_rotary, "attention_scaling", None)
         if self._hf_layer_type is not None:  # one factor per layer type (Gemma 3)
             factor = getattr(self._hf_rotary, f"{self._hf_layer_type}_attention_scaling", factor)
@@ -2678,6 +2696,10 @@ class ModuleProbe:
             if any(math.isclose(factor * c, 1.0, rel_tol=1e-6) for c in undone):
                 continue  # multiplied back on the scores before the softmax: no multiplier
             which = "queries" if role == "queries" else "keys"
+            if self.plain_factors:
+                continue  # judged as it stands: a slip in the scale, if it is one
+            if (which, factor, where) not in self.multipliers:
+                self.multipliers.append((which, factor, where))
             scale = (hd**-0.5 if scale is None else scale) * factor
             source = (
                 f"{source or f'1/sqrt(d_k) = 1/sqrt({hd})'} times the constant {factor:.6g} "

@@ -273,7 +273,8 @@ def describe_scale(value: float, spec: Spec, tokens: int) -> str:
     for v, text in named_scales(spec, tokens):
         if math.isclose(v, value, rel_tol=1e-3):
             return text
-    return f"{value:.6g}"
+    short = f"{value:.4g}"  # a fitted 127.999 is 128
+    return short if math.isclose(float(short), value, rel_tol=1e-4) else f"{value:.6g}"
 
 
 def with_scale(m: Mutation, value: float, text: str) -> Mutation:

@@ -1,0 +1,190 @@
+"""Readings added after rounds m32 and r40: a constant on one layer's queries that the other
+layers of its stack do not carry is a slip in the scale, not a multiplier of the weights; a
+cache handed back as it was handed is stale; future scores filled with a number after an
+ALiBi bias written per key are a fill value."""
+
+import math
+
+import pytest
+import torch
+from conftest import outcome
+from torch import nn
+
+from attnscope import check
+from attnscope.checking.mistakes.scores import describe_scale
+from attnscope.checking.reference import Spec
+from attnscope.stages import Kind
+
+
+class _Scaled(nn.Module):
+    """Causal multi-head attention whose queries are multiplied by ``factor`` (by default
+    1/sqrt(head_dim): the scale folded into the queries), the scores then scaled by
+    1/sqrt(head_dim) where ``scaled``."""
+
+    def __init__(self, d=32, heads=4, factor=None, scaled=False):
+        super().__init__()
+        self.h, self.hd, self.scaled = heads, d // heads, scaled
+        self.factor = self.hd**-0.5 if factor is None else factor
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (
+            f(x).view(b, n, self.h, self.hd).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        s = (q * self.factor) @ k.transpose(-1, -2)
+        if self.scaled:
+            s = s * self.hd**-0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class _Stack(nn.Module):
+    """A small language model of three layers of one class; ``factors[i]`` is layer i's."""
+
+    def __init__(self, factors=(None, None, None), vocab=48, d=32, scaled=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_Scaled(d, factor=f, scaled=scaled) for f in factors)
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in factors)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for norm, layer in zip(self.norms, self.layers, strict=True):
+            x = x + layer(norm(x))
+        return self.head(x)
+
+
+def test_a_constant_on_one_layers_queries_its_siblings_lack_is_a_wrong_scale():
+    """THUMT's ``64 // 4 ** -0.5`` (the parentheses lost): layer 2's queries times 128. On
+    its own that reads as a muP multiplier; beside two layers of its class without it, it
+    is the scale, wrong."""
+    report = check(lambda: _Stack((None, None, 128.0)).eval(), kind="causal-multihead")
+    assert not report.ok
+    assert report.first_layer == "layers.2"
+    assert outcome(report) == ("scaled_scores", "wrong_scale")
+    assert "by 128 instead of" in report.first_failure.message
+    failed = dict(report.layers)["layers.2"]
+    assert any("other layers of its stack" in n for n in failed.notes)
+
+
+def test_one_multiplier_in_every_layer_of_a_stack_stays_a_multiplier():
+    """The same constant in every layer, beside the scale, is the model's (muP's): each
+    layer passes."""
+    report = check(lambda: _Stack((0.7, 0.7, 0.7), scaled=True).eval(), kind="causal-multihead")
+    assert report.ok, report.to_text(color=False)
+
+
+@pytest.mark.parametrize("option", ["scale_attn_by_inverse_layer_idx", "scale_attn_weights"])
+def test_gpt2s_declared_scales_per_layer_and_none_pass(option):
+    """GPT-2's ``scale_attn_by_inverse_layer_idx``: each layer's scores divided by its index
+    plus one (a factor no sibling shares, declared in its config), and
+    ``scale_attn_weights=False``: no scale at all."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_positions=64, n_embd=32, n_layer=3, n_head=4, bos_token_id=0,
+        eos_token_id=0, **{option: option == "scale_attn_by_inverse_layer_idx"},
+    )  # fmt: skip
+
+    def make():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+
+    report = check(make)
+    assert report.ok, report.to_text(color=False)
+
+
+def test_a_fitted_scale_is_named_as_the_round_number_it_is():
+    spec = Spec(Kind.of("causal-multihead"), 64, 64, 4)
+    assert describe_scale(127.99931, spec, 7) == "128"
+    assert describe_scale(0.123456789, spec, 7) == "0.123457"
+
+
+class _Cached(nn.Module):
+    """Causal multi-head attention that appends its keys and values to those it is handed
+    and hands them back."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x, past=None):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        s = q @ k.transpose(-1, -2) / self.hd**0.5
+        total = k.shape[2]
+        later = torch.arange(total)[None, :] > torch.arange(total - n, total)[:, None]
+        s = s.masked_fill(later, float("-inf"))
+        return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d)), (k, v)
+
+
+class _States(nn.Module):
+    """A Hugging Face-style language model (``past_key_values`` in, presents out) whose
+    position is read from the cache's length; ``frozen``: once it is handed a cache it
+    hands back that cache, nothing of the new token stored (GluonNLP's states returned as
+    they came)."""
+
+    def __init__(self, frozen=False, vocab=48, d=32, heads=4, context=64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = frozen
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.layers = nn.ModuleList(_Cached(d, heads) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
+        n = input_ids.shape[1]
+        past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        x = self.tok(input_ids) + self.pos(torch.arange(past, past + n))
+        presents = []
+        for i, layer in enumerate(self.layers):
+            y, kv = layer(x, None if past_key_values is None else past_key_values[i])
+            x = x + y
+            presents.append(kv)
+        if self.frozen and past_key_values is not None:
+            presents = past_key_values
+        return self.head(x), (presents if use_cache else None)
+
+
+def test_a_cache_handed_back_unchanged_is_stale_though_a_position_moves_too():
+    report = check(lambda: _States(frozen=True).eval())
+    d = report.decode
+    assert (d.ok, d.mistake, d.step) == (False, "cache_stale", 1)
+    assert "step 0 handed back the cache it was handed, unchanged" in d.message
+
+
+def test_a_cache_handed_back_grown_decodes_as_the_full_pass():
+    report = check(lambda: _States().eval())
+    assert report.ok and report.decode.ok, report.to_text(color=False)
+
+
+class _AlibiKeyOffset(nn.Module):
+    """Causal ALiBi written per key, ``slope * (j - (n - 1))`` (llm-foundry's row), added
+    to the scaled scores; ``fill``: the value the future is filled with afterwards."""
+
+    def __init__(self, d=32, heads=4, fill=-math.inf):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h, self.hd, self.fill = heads, d // heads, fill
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        slopes = 2.0 ** (-8.0 * torch.arange(1, self.h + 1, dtype=torch.float64) / self.h)
+        bias = slopes[:, None, None] * torch.arange(1 - n, 1, dtype=torch.float64)[None, None]
+        s = q @ k.transpose(-1, -2) / self.hd**0.5 + bias.to(x.dtype)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), self.fill)
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+def test_alibi_per_key_with_the_future_filled_with_zero_is_a_fill_value():
+    assert check(lambda: _AlibiKeyOffset().eval(), kind="causal-multihead").ok
+    report = check(lambda: _AlibiKeyOffset(fill=0.0).eval(), kind="causal-multihead")
+    assert outcome(report) == ("masked_scores", "mask_fill_value")
