@@ -1711,6 +1711,43 @@ class ModuleProbe:
             )
         self.cross = True
         self._context_width = self._context_width or self._root_width
+        self._entry_without_context()
+
+    def _entry_without_context(self) -> None:
+        """A wrapper whose layer was found handed its hidden states in two places (a block
+        that, handed no second sequence, passes its normed input as both: Chatterbox's
+        ``x2_norm = x1_norm if x2 is None``), now checked with the other sequence handed:
+        the places that then carry what is made from it are no hidden states."""
+        e = self.entry
+        if e is None or len(e.positions) < 2:
+            return
+        x = self._root_input(BATCH, 7)
+        ctx = self._context(x)
+        seen: list[dict] = []
+
+        def grab(mod, args, kwargs):
+            seen.append({k: a for k, a in [*enumerate(args), *kwargs.items()] if k in e.positions})
+            raise _Captured(None)
+
+        handle = e.module.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            for other in (ctx, ctx * 2.0 + 1.0):
+                with contextlib.suppress(_Captured):
+                    self._invoke_root(x, other=other)
+        finally:
+            handle.remove()
+        if len(seen) != 2:
+            return
+        same = [
+            k
+            for k in e.positions
+            if isinstance(seen[0].get(k), torch.Tensor)
+            and isinstance(seen[1].get(k), torch.Tensor)
+            and seen[0][k].shape == seen[1][k].shape
+            and torch.equal(seen[0][k], seen[1][k])
+        ]
+        if same and len(same) < len(e.positions):
+            e.positions = same
 
     def _context(self, x: torch.Tensor, same_length: bool = False) -> torch.Tensor:
         """Cross-attention's other sequence for a call on ``x``: three tokens longer than
