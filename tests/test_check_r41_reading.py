@@ -188,3 +188,144 @@ def test_alibi_per_key_with_the_future_filled_with_zero_is_a_fill_value():
     assert check(lambda: _AlibiKeyOffset().eval(), kind="causal-multihead").ok
     report = check(lambda: _AlibiKeyOffset(fill=0.0).eval(), kind="causal-multihead")
     assert outcome(report) == ("masked_scores", "mask_fill_value")
+
+
+class _Perceiver(nn.Module):
+    """Chatterbox's block: one norm for both inputs, the layer handed the normed input
+    twice when no second sequence is given (self-attention), else the normed context;
+    ``slip``: the keys and values projected from the queries' input all the same."""
+
+    class Attention(nn.Module):
+        def __init__(self, d, heads, slip):
+            super().__init__()
+            self.h, self.slip = heads, slip
+            self.to_q, self.to_k, self.to_v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+            self.proj_out = nn.Linear(d, d)
+
+        def forward(self, x1, x2):
+            b, n, d = x1.shape
+            src = x1 if self.slip else x2
+            q = self.to_q(x1).view(b, n, self.h, -1).transpose(1, 2)
+            k = self.to_k(src).view(b, src.shape[1], self.h, -1).transpose(1, 2)
+            v = self.to_v(src).view(b, src.shape[1], self.h, -1).transpose(1, 2)
+            ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return self.proj_out(ctx.transpose(1, 2).reshape(b, n, d))
+
+    def __init__(self, d=32, heads=4, slip=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(d)
+        self.attn = self.Attention(d, heads, slip)
+
+    def forward(self, x1, x2=None):
+        x1_norm = self.norm(x1)
+        x2_norm = x1_norm if x2 is None else self.norm(x2)
+        return x1 + self.attn(x1_norm, x2_norm)
+
+
+@pytest.mark.parametrize("slip", [False, True])
+def test_a_block_that_hands_its_input_twice_without_a_context_is_checked_as_cross(slip):
+    report = check(lambda: _Perceiver(slip=slip).eval(), kind="cross")
+    assert outcome(report) == (("keys", "wrong_source") if slip else ("ok",))
+    if not slip:
+        assert report.structure["cross"] is True
+
+
+class _EinsumKeysFirst(nn.Module):
+    """One fused projection; the scores' einsum names the queries first and writes the
+    keys' axis first in its output (``"bhqd,bhkd->bhkq"``) where ``slip``."""
+
+    def __init__(self, d=32, heads=4, slip=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h, self.slip = heads, slip
+        self.in_proj, self.out_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (
+            t.view(b, n, self.h, -1).transpose(1, 2) for t in self.in_proj(x).chunk(3, dim=-1)
+        )
+        eq = "bhqd,bhkd->bhkq" if self.slip else "bhqd,bhkd->bhqk"
+        scores = torch.einsum(eq, q, k) / math.sqrt(d // self.h)
+        w = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        ctx = torch.einsum("bhqk,bhkd->bhqd", w.softmax(-1), v)
+        return self.out_proj(ctx.transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize("slip", [False, True])
+def test_an_einsum_that_writes_the_keys_axis_first_is_scores_transposed(slip):
+    """With one fused weight, keys times queries reads the same as the chunks unpacked in
+    the wrong order; the einsum's own equation says which it was."""
+    report = check(lambda: _EinsumKeysFirst(slip=slip).eval(), kind="causal-multihead")
+    assert outcome(report) == (("scores", "scores_transposed") if slip else ("ok",))
+
+
+class _Recurrent(nn.Module):
+    """fast-transformers' way: a batch path for the prompt, and one token at a time with
+    a state of keys and values ``(b, heads, keys, e)`` for each step, its scores an
+    einsum with no query axis; ``slip``: ``"twice"`` (the new key appended before the
+    step appends it again) or ``"temperature"`` (the step scales by 1/sqrt(d_model))."""
+
+    def __init__(self, d, heads, slip):
+        super().__init__()
+        self.h, self.slip = heads, slip
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, state=None):
+        b, n, d = x.shape
+        e = d // self.h
+        if state is None:  # the batch path: (b, n, heads, e)
+            q, k, v = (f(x).view(b, n, self.h, e) for f in (self.q, self.k, self.v))
+            s = torch.einsum("nlhe,nshe->nhls", q, k) / math.sqrt(e)
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            ctx = torch.einsum("nhls,nshd->nlhd", s.softmax(-1), v)
+            return self.o(ctx.reshape(b, n, d)), [k.transpose(1, 2), v.transpose(1, 2)]
+        outs = []
+        for t in range(n):
+            q, k, v = (f(x[:, t]).view(b, self.h, e) for f in (self.q, self.k, self.v))
+            if self.slip == "twice":
+                state = [
+                    torch.cat([s, new[:, :, None]], 2) for s, new in zip(state, (k, v), strict=True)
+                ]
+            keys, values = (
+                torch.cat([s, new[:, :, None]], 2) for s, new in zip(state, (k, v), strict=True)
+            )
+            temp = d**-0.5 if self.slip == "temperature" else e**-0.5
+            a = torch.softmax(temp * torch.einsum("nhe,nhse->nhs", q, keys), dim=-1)
+            outs.append(self.o(torch.einsum("nhs,nhsd->nhd", a, values).reshape(b, d)))
+            state = [keys, values]
+        return torch.stack(outs, 1), state
+
+
+class _RecurrentLM(nn.Module):
+    def __init__(self, slip=None, vocab=48, d=32, heads=4, context=64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.layers = nn.ModuleList(_Recurrent(d, heads, slip) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
+        n = input_ids.shape[1]
+        past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        x = self.tok(input_ids) + self.pos(torch.arange(past, past + n))
+        states = []
+        for i, layer in enumerate(self.layers):
+            y, st = layer(x, None if past_key_values is None else past_key_values[i])
+            x = x + y
+            states.append(st)
+        return self.head(x), (states if use_cache else None)
+
+
+@pytest.mark.parametrize(
+    ("slip", "code"), [(None, None), ("twice", "cache_stale"), ("temperature", "cache_other")]
+)
+def test_a_step_written_for_one_query_is_read_for_what_it_attends_over(slip, code):
+    """The step's keys laid out otherwise than the batch path's, its scores with no query
+    axis: a key held twice is stale; the same keys, seen alike, weighed with another scale
+    is no mask."""
+    report = check(lambda: _RecurrentLM(slip).eval())
+    assert report.decode.mistake == code, report.decode.message
+    if code == "cache_stale":
+        assert "held twice" in report.decode.message

@@ -35,6 +35,15 @@ _SHARED_CLASS = (
 )
 
 _OPEN = {
+    # round 41's first run (commit 2b04920)
+    "r41/b09_chatterbox_einsum_contracts_tokens": "refused: its products contract over the "
+    "tokens (a head_dim x head_dim map, as cross-covariance attention computes by design): no "
+    "token-by-token weights to judge",
+    "r41/b22_chatterbox_cross_kv_from_queries": (
+        "inferred",
+        "the block's second input is optional and named x2: with the kind inferred it is "
+        "checked as the self-attention it computes without one, which the slip leaves right",
+    ),
     # round 40's first run (commit 41695c7)
     "r40/b07_alibi_sdpa_causal_not_folded": (
         "inferred",

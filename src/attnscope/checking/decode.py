@@ -33,6 +33,7 @@ the model), ``cache`` (a KVCache passed in, the book's ``llms_from_scratch`` pro
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import sys
 import weakref
@@ -771,6 +772,8 @@ class _Evidence:
         #: cached keys scored apart from the new one, or a cache read with nothing of this
         #: step written into it), or None
         self.apart: str | None = None
+        #: the weights (softmax outputs) of the full pass and of the cached step, or None
+        self.weights: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def operands(self):
         """``((keys, values, where), (keys, values, where))``: full pass, cached step; None
@@ -792,6 +795,7 @@ class _Evidence:
         with rec:
             drive.full(ids)
         full = _layer_operands(rec, self.model, self.path)
+        full_weights = _softmax_in(rec, self.path)
         drive.start(self.ids[:, :PROMPT])
         for t in range(self.step):
             drive.step(self.ids[:, PROMPT + t : PROMPT + t + 1])
@@ -804,6 +808,7 @@ class _Evidence:
         self.made_before = _made_before(rec, self.model)
         self.kept = _kept(drive, self.model)
         self.apart = _scores_of_unwritten_keys(rec, self.path)
+        self.weights = full_weights, _softmax_in(rec, self.path)
         return full, _layer_operands(rec, self.model, self.path)
 
 
@@ -926,6 +931,41 @@ def _layer_operands(rec: Recorder, model: nn.Module, path: str):
             q, k, v = (rec.ops[n] for n in (core.q_node, core.k_node, core.v_node))
             lines = (k.location, _mask_line(rec, op, span), q.location)
             return k.output.detach(), v.output.detach(), lines, q.output.detach()
+    for span in spans[:1]:
+        found = _one_query_core(rec, span)
+        if found is not None:
+            score, q, k, v = found
+            lines = (k.location, _mask_line(rec, score, span), q.location)
+            return k.output.detach(), v.output.detach(), lines, q.output.detach()
+    return None
+
+
+def _one_query_core(rec: Recorder, span) -> tuple[Op, Op, Op, Op] | None:
+    """``(score product, queries, keys, values)`` of a step's attention written for one
+    query, with no query axis (fast-transformers' recurrent attention: ``einsum("nhe,nhse->
+    nhs")``, a softmax over the keys, then ``einsum("nhs,nhsd->nhd")``), which no
+    token-by-token core describes: a product whose output reaches a softmax, and the first
+    product after it that reads the weights. The keys are the larger operand."""
+    ops = rec.ops[span.start : span.end]
+    for op in ops:
+        if op.name not in MATMULS:
+            continue
+        pair = [a for a in op.args if rec.ops[a].output.is_floating_point()]
+        if len(pair) != 2:
+            continue
+        reach, weights = {op.index}, None
+        for nxt in rec.ops[op.index + 1 : span.end]:
+            if not any(a in reach for a in nxt.args):
+                continue
+            if weights is not None and nxt.name in MATMULS:
+                others = [a for a in nxt.args if a not in reach]
+                if len(others) != 1:
+                    break
+                q, k = sorted(pair, key=lambda a: rec.ops[a].output.numel())
+                return op, rec.ops[q], rec.ops[k], rec.ops[others[0]]
+            reach.add(nxt.index)
+            if nxt.name in ("softmax", "_softmax"):
+                weights = nxt.index
     return None
 
 
@@ -999,7 +1039,20 @@ def _rows(
     None when the layouts do not match."""
     axis = _token_axis(step, full, keys)
     if axis is None:
-        return None
+        # the step's path lays its keys out otherwise (fast-transformers' recurrent
+        # attention: (n, heads, keys, e) where its batch path has (n, keys, heads, e)):
+        # the order of the other axes that finds the most of the full pass's tokens
+        best = None
+        if step.dim() == full.dim() and 2 <= step.dim() <= 5:
+            for order in itertools.permutations(range(step.dim())):
+                moved = step.permute(order)
+                if _token_axis(moved, full, keys) is None or order == tuple(range(step.dim())):
+                    continue
+                got = _rows(moved, full, pos, keys)
+                found = sum(isinstance(j, int) for j in got or [])
+                if got is not None and (best is None or found > best[0]):
+                    best = found, got
+        return None if best is None or best[0] == 0 else best[1]
     s = step.movedim(axis, 0).reshape(step.shape[axis], -1).double()
     f = full.movedim(axis, 0).reshape(full.shape[axis], -1).double()
     out: list[int | str | None] = []
@@ -1191,6 +1244,14 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
             "not masked: the new token sees too many",
             score_line,
         )
+    if _same_keys_seen(evidence, values, pos):
+        return (
+            "cache_other",
+            f"the keys, values and query are the full pass's for tokens 0..{pos}, and it "
+            "hides no key the full pass shows nor shows one it hides: it weighs them "
+            "otherwise (its scores scaled or normalised otherwise on the decoding path?)",
+            score_line,
+        )
     return (
         "cache_mask",
         "the keys and values it attends over are the full pass's for tokens 0.."
@@ -1198,6 +1259,34 @@ def _from_rows(evidence: _Evidence, pos: int, step: int):
         "shows it others)",
         score_line,
     )
+
+
+def _same_keys_seen(evidence: _Evidence, values: list, pos: int) -> bool:
+    """Whether the step's weights hide from the new token exactly the tokens the full
+    pass's hide from token ``pos`` (a weight of 0 in every sequence and head), the step's
+    keys being the full pass's tokens ``values``; False where the weights cannot be read."""
+    full, step = evidence.weights
+    n = len(values)
+    if full is None or step is None or step.shape[-1] != n or full.shape[-2] <= pos:
+        return False
+    if full.shape[-1] != full.shape[-2]:
+        return False
+    row = full.narrow(-2, pos, 1).reshape(-1, full.shape[-1])
+    hidden_full = {j for j in range(pos + 1) if bool((row[:, j] == 0).all())}
+    flat = step.reshape(-1, n)
+    hidden_step = {values[i] for i in range(n) if bool((flat[:, i] == 0).all())}
+    return hidden_full == hidden_step and all(isinstance(v, int) for v in values)
+
+
+def _softmax_in(rec: Recorder, path: str) -> torch.Tensor | None:
+    """The output of the first softmax run inside the module ``path`` (its weights)."""
+    span = next((c for c in rec.modules if c.path == path), None)
+    if span is None:
+        return None
+    for op in rec.ops[span.start : span.end]:
+        if op.name in ("softmax", "_softmax") and isinstance(op.output, torch.Tensor):
+            return op.output.detach()
+    return None
 
 
 def _new_token(

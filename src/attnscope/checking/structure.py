@@ -1200,14 +1200,37 @@ def keys_named_first(st: Structure) -> bool:
     path, _, line = op.location.rpartition(":")
     if not line.isdigit():
         return False
+    # an einsum may name its operands queries first and write the keys' axis first in its
+    # output (``"bhqd,bhkd->bhkq"``): keys times queries all the same
+    flipped = op.name == "einsum" and _einsum_flipped(op.call_args)
     traced = _operand_roles(path, int(line))
     if traced is not None:
-        return traced == ["k", "q"]
+        return traced == (["q", "k"] if flipped else ["k", "q"])
     text = _statement(path, int(line))
     text = re.sub(r"^\s*[\w.,\[\]\s]+?=(?!=)", "", text)  # an assignment's target
+    if flipped:  # the equation's own letters are no operand names
+        text = re.sub(r"""(['"])[^'"]*->[^'"]*\1""", "", text)
     words = re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text)
     roles = [role_hint(w) for w in words if role_hint(w) in ("q", "k")]
-    return roles[:2] == ["k", "q"]
+    return roles[:2] == (["q", "k"] if flipped else ["k", "q"])
+
+
+def _einsum_flipped(call_args: tuple) -> bool:
+    """Whether an einsum of two operands writes, in its output, the axis only the second
+    has before the axis only the first has (``"bhqd,bhkd->bhkq"``: the second's tokens
+    first, so the product is the second times the first)."""
+    eq = call_args[0] if call_args and isinstance(call_args[0], str) else None
+    if eq is None or "->" not in eq:
+        return False
+    ins, out = eq.replace(" ", "").split("->")
+    parts = ins.split(",")
+    if len(parts) != 2:
+        return False
+    first = [c for c in parts[0] if c.isalpha() and c not in parts[1]]
+    second = [c for c in parts[1] if c.isalpha() and c not in parts[0]]
+    if len(first) != 1 or len(second) != 1 or first[0] not in out or second[0] not in out:
+        return False
+    return out.index(second[0]) < out.index(first[0])
 
 
 #: a product's two operands, by position and by keyword: (positions, keywords)
