@@ -10,7 +10,7 @@ import torch
 from conftest import outcome
 from torch import nn
 
-from attnscope import check
+from attnscope import AttnScopeError, check
 from attnscope.checking.mistakes.scores import describe_scale
 from attnscope.checking.reference import Spec
 from attnscope.stages import Kind
@@ -329,3 +329,87 @@ def test_a_step_written_for_one_query_is_read_for_what_it_attends_over(slip, cod
     assert report.decode.mistake == code, report.decode.message
     if code == "cache_stale":
         assert "held twice" in report.decode.message
+
+
+class _Band(nn.Module):
+    """Samba's sliding-window layer: its config's ``local_window`` keys (the query and
+    those before it), kept by a band the layer builds; ``local=False``: a full layer of
+    the same model (the config still holds the window). ``band``: ``"right"``, ``"wide"``
+    (``i - j <= window``), ``"no_tril"`` (the far past cut, the future not), ``"none"``."""
+
+    class Config:
+        local_window = 4
+
+    def __init__(self, band="right", local=True, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.config, self.local, self.band, self.h = self.Config(), local, band, heads
+        self.attn, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.attn(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        w = self.config.local_window
+        keep = j <= i
+        if self.local and self.band == "right":
+            keep = keep & (i - j < w)
+        elif self.local and self.band == "wide":
+            keep = keep & (i - j <= w)
+        elif self.local and self.band == "no_tril":
+            keep = torch.ones(n, n, dtype=torch.bool).triu(-(w - 1))
+        mask = torch.zeros(n, n).masked_fill(~keep, float("-inf")).to(x.dtype)
+        ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(ctx.transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize(
+    ("band", "local", "want"),
+    [
+        ("right", True, ("ok",)),
+        ("right", False, ("ok",)),
+        ("wide", True, ("masked_scores", "window_size")),
+        ("none", True, ("masked_scores", "window_missing")),
+        ("no_tril", True, ("masked_scores", "missing_mask")),
+    ],
+)
+def test_a_window_declared_as_local_window_is_held_where_the_layer_is_local(band, local, want):
+    report = check(lambda: _Band(band, local).eval(), kind="causal-multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    if want == ("ok",):
+        assert report.structure["window"] == (4 if local else None)
+
+
+class _Chunked(nn.Module):
+    """A causal window of ``w`` keys computed on blocks of ``w`` queries, each with its own
+    block's keys and the previous block's, in one product over all the blocks."""
+
+    def __init__(self, d=32, heads=4, w=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h, self.w = heads, w
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        w, pad = self.w, (-n) % self.w
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        nb = (n + pad) // w
+        qb, kb, vb = (t.reshape(b, self.h, nb, w, -1) for t in (q, k, v))
+        prev = [torch.nn.functional.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :-1] for t in (kb, vb)]
+        kk, vv = torch.cat((prev[0], kb), 3), torch.cat((prev[1], vb), 3)
+        s = torch.einsum("bhnqd,bhnkd->bhnqk", qb, kk) / math.sqrt(d // self.h)
+        qpos = torch.arange(nb * w).view(nb, w)
+        kpos = torch.cat((qpos - w, qpos), 1)
+        delta = qpos[:, :, None] - kpos[:, None, :]
+        s = s.masked_fill(~((delta >= 0) & (delta < w) & (kpos[:, None] >= 0)), float("-inf"))
+        y = torch.einsum("bhnqk,bhnkd->bhnqd", s.softmax(-1), vv).reshape(
+            b, self.h, -1, d // self.h
+        )
+        return self.out(y[:, :, :n].transpose(1, 2).reshape(b, n, d))
+
+
+def test_attention_on_blocks_in_one_product_is_refused_naming_it():
+    with pytest.raises(AttnScopeError, match="not supported yet: attention computed on blocks"):
+        check(lambda: _Chunked().eval(), kind="causal-multihead")

@@ -848,7 +848,7 @@ class Judge:
             if ref is None:
                 continue
             shape = ref.shape if call.batched else ref.shape[1:]
-            for op in call.ops:
+            for op in [*call.ops, *call.sdpa_ops]:  # a fused call's stages, rebuilt
                 if op.output.shape != shape or op.stale or not op.comparable:
                     continue
                 user = op.output.double() if call.batched else op.output.double().unsqueeze(0)

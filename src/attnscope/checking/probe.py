@@ -134,6 +134,7 @@ _WINDOW_NAMES = (
     "attention_window",
     "attention_window_size",  # RecurrentGemma's, gemma.cpp's: the query and the keys before it
     "n_swa",  # llama.cpp's hparams: the query and the n_swa - 1 keys before it
+    "local_window",  # Samba's (lit-gpt's config): the query and the keys before it
 )
 
 
@@ -369,6 +370,17 @@ def _token_blocks(st: Structure, tokens: int) -> tuple[str, str | None] | None:
     over heads, sequences or requests compute on all of a sequence's tokens each."""
     made = [c.fused or c.context or c.score for c in st.cores]
     sizes = [op.output.shape[-2] for op in made if op is not None and op.output.dim() >= 2]
+    score = st.cores[0].score if len(st.cores) == 1 else None
+    if score is not None and score.output.dim() >= 5:
+        # one product over all the blocks at once, (..., blocks, queries, keys): Samba's
+        # chunked window, each block of queries with its keys and the previous block's
+        blocks, n = score.output.shape[-3], score.output.shape[-2]
+        if 1 < n < tokens <= blocks * n:
+            return (
+                f"attention computed on blocks of the tokens ({blocks} blocks of {n} queries "
+                "in one product: chunked local or block attention)",
+                score.location,
+            )
     if len(sizes) < 2 or len(sizes) != len(st.cores) or max(sizes) >= tokens:
         return None
     if max(sizes) == 1:
@@ -666,6 +678,11 @@ class ModuleProbe:
         layer = self.entry.module if self.entry is not None else self.module
         if self.weights:
             binding = bind_names(self.module, self.weights, st.heads)  # paths from the target
+        elif blocks is not None:
+            # the projections of a computation on blocks are not read as the reference's
+            raise Unsupported(
+                f"not supported yet: {blocks[0]}" + (f" at {blocks[1]}" if blocks[1] else "")
+            )
         else:
             binding = bind_structure(st, layer, self.module)
         self.binding = binding
@@ -2589,8 +2606,8 @@ class ModuleProbe:
         m = self.entry.module if self.entry is not None else self.module
         if "sliding_window" in vars(m) and m.sliding_window is None:
             return None  # the layer says it has none (a full-attention layer of its model)
-        if getattr(m, "is_sliding", None) is False:
-            return None  # the layer says it is not a sliding one (EXAONE 4's full layers)
+        if any(getattr(m, a, None) is False for a in ("is_sliding", "local", "is_local")):
+            return None  # the layer says it is not a sliding one (EXAONE 4's, Samba's full ones)
         converted: list[int | None] = []
         for holder in self._declaring(m):
             if getattr(holder, "use_sliding_window", True) is False:

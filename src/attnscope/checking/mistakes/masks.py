@@ -29,8 +29,22 @@ def _masked(ev: Evidence) -> tuple[T, T, T] | None:
 
 
 def _unmasked(ev: Evidence) -> bool:
+    """No mask at all, or none on the future: every key after its query seen (a sliding
+    window's band cut on the far past alone, Samba's ``triu`` without its ``tril``)."""
     got = _masked(ev)
-    return got is not None and close(got[0], got[2])
+    if got is None:
+        return False
+    u, masked, scaled = got
+    if close(u, scaled):
+        return True
+    n = u.shape[-1]
+    if u.shape[-2] != n or n < 2:
+        return False
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    hid = bool((~torch.isfinite(masked))[..., future].all())
+    # the future carries its scores (not a fill that leaves it seen: that is the fill value)
+    before = ev.ref.get("biased_scores", scaled)
+    return hid and close(u[..., future], before[..., future])
 
 
 @define(
