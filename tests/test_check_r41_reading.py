@@ -78,25 +78,6 @@ def test_one_multiplier_in_every_layer_of_a_stack_stays_a_multiplier():
     assert report.ok, report.to_text(color=False)
 
 
-@pytest.mark.parametrize("option", ["scale_attn_by_inverse_layer_idx", "scale_attn_weights"])
-def test_gpt2s_declared_scales_per_layer_and_none_pass(option):
-    """GPT-2's ``scale_attn_by_inverse_layer_idx``: each layer's scores divided by its index
-    plus one (a factor no sibling shares, declared in its config), and
-    ``scale_attn_weights=False``: no scale at all."""
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    cfg = transformers.GPT2Config(
-        vocab_size=64, n_positions=64, n_embd=32, n_layer=3, n_head=4, bos_token_id=0,
-        eos_token_id=0, **{option: option == "scale_attn_by_inverse_layer_idx"},
-    )  # fmt: skip
-
-    def make():
-        torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(cfg).eval()
-
-    report = check(make)
-    assert report.ok, report.to_text(color=False)
-
-
 def test_a_fitted_scale_is_named_as_the_round_number_it_is():
     spec = Spec(Kind.of("causal-multihead"), 64, 64, 4)
     assert describe_scale(127.99931, spec, 7) == "128"

@@ -36,6 +36,8 @@ _SHARED_CLASS = (
 
 _OPEN = {
     # round 42's first run (commit f6585fd)
+    "r42/r02_samba_differential_swa": "refused, but for widths that do not compose (two "
+    "query and key halves per head), not as differential attention",
     "r42/c04_samba_gqa_blockwise_window4": "refused: Samba's chunked window (blocks of queries, "
     "each with its own and the previous block's keys, in one product) is not modelled",
     "r42/b04_samba_blockwise_keys_cur_prev": "refused: the same chunked window, so its key "
@@ -50,6 +52,12 @@ _OPEN = {
     "r41/b09_chatterbox_einsum_contracts_tokens": "refused: its products contract over the "
     "tokens (a head_dim x head_dim map, as cross-covariance attention computes by design): no "
     "token-by-token weights to judge",
+    "r41/c07_chatterbox_cross_sdpa": (
+        "inferred",
+        "passes, with structure cross false: the block's second input is optional and named "
+        "x2, so with the kind inferred it is checked as the self-attention it computes "
+        "without one",
+    ),
     "r41/b22_chatterbox_cross_kv_from_queries": (
         "inferred",
         "the block's second input is optional and named x2: with the kind inferred it is "
@@ -300,6 +308,9 @@ def _cases(infer: bool):
 
 #: what the refusal of each feature not modelled yet must say
 _FEATURE_WORDS = {
+    "rope_first_head_only": "rotary",
+    "transformer_xl_relative_position": "relative attention",
+    "qkv_short_convolution": "convolution over the tokens",
     "rotary": "rotary position embedding",
     "grouped": "grouped key/value heads",
     "alibi": "ALiBi",

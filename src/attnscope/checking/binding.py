@@ -147,6 +147,11 @@ def bind_structure(st: Structure, layer: nn.Module, root: nn.Module | None = Non
             "an einsum with a weight); " + WEIGHT_HELP
         )
     triples = _packed(st, root if root is not None else layer) or _triples(st, layer)
+    if not triples:
+        raise AttnScopeError(
+            "found no reading of the projections that makes queries, keys and values of "
+            "whole heads; " + WEIGHT_HELP
+        )
     d_in, d_out = triples[0][0][0][0].shape
     outs, has_out = _outs(st, d_out)
     candidates = [

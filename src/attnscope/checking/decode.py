@@ -221,7 +221,7 @@ class _Driver:
         #: each step (see :meth:`overfull`)
         self._sizes: list[list[tuple[int, ...]]] = []
         #: the steps that handed back the very cache they were handed, every tensor of it
-        #: unchanged (see :meth:`unchanged_before`)
+        #: unchanged (see :meth:`stale`)
         self._unchanged: list[int] = []
 
     def _at(self, ids: torch.Tensor, pos: int) -> dict:
@@ -289,10 +289,24 @@ class _Driver:
                     return z[axis]
         return None
 
-    def unchanged_before(self, step: int) -> int | None:
-        """The first step before ``step`` that handed back the cache it was handed, nothing
-        of its token stored (GluonNLP's states returned as they came); else None."""
-        return next((t for t in self._unchanged if t < step), None)
+    def stale(self, prompt: int, step: int) -> str | None:
+        """Why the cache a diverging ``step`` read is stale, read from its sizes and
+        contents alone: more entries than tokens (:meth:`overfull`), or an earlier step
+        that handed back the very cache it was handed, nothing of its token stored
+        (GluonNLP's states returned as they came); else None."""
+        held = self.overfull(prompt)
+        if held is not None:
+            return (
+                f"the cache holds {held} entries along its tokens' axis after "
+                f"{prompt + step + 1} tokens: it was updated more than once for a token"
+            )
+        kept = next((t for t in self._unchanged if t < step), None)
+        if kept is not None:
+            return (
+                f"step {kept} handed back the cache it was handed, unchanged: its token's key "
+                "and value were never stored"
+            )
+        return None
 
     def _reset(self) -> None:
         reset = _reset_method(self.model)
@@ -701,25 +715,12 @@ def check_decoding(
                     continue
                 evidence = _Evidence(model, layers, protocol, ids, path, t)
                 code, why, where = _name(got, want, pos, t, i == 0, evidence, ids.shape[1])
-                held = drive.overfull(PROMPT)
-                if held is not None and code in ("cache_positions", "cache_other"):
-                    # what moved the token is the cache itself: more entries than tokens
+                stale = drive.stale(PROMPT, t)
+                if stale is not None and code in ("cache_positions", "cache_other"):
+                    # what moved the token is the cache itself, and whatever follows from its
+                    # length (a position) is off by as much
                     code, where = "cache_stale", None
-                    why = (
-                        f"the cache holds {held} entries along its tokens' axis after "
-                        f"{pos + 1} tokens: it was updated more than once for a token (what "
-                        f"follows from its length, a position, is off too: {why})"
-                    )
-                kept = drive.unchanged_before(t)
-                if kept is not None and code in ("cache_positions", "cache_other"):
-                    # the cache came back as it was handed: one token short from then on, and
-                    # whatever follows from its length (a position) is off by as much
-                    code, where = "cache_stale", None
-                    why = (
-                        f"step {kept} handed back the cache it was handed, unchanged: its "
-                        f"token's key and value were never stored (what follows from the "
-                        f"cache's length, a position, is off too: {why})"
-                    )
+                    why = f"{stale} (what follows from its length, a position, is off too: {why})"
                 seen = f"its output for the new token differs from the full pass: {why}"
                 if code == "cache_other" and t > 0:
                     earlier = _already_held(evidence, t)
@@ -945,7 +946,8 @@ def _one_query_core(rec: Recorder, span) -> tuple[Op, Op, Op, Op] | None:
     query, with no query axis (fast-transformers' recurrent attention: ``einsum("nhe,nhse->
     nhs")``, a softmax over the keys, then ``einsum("nhs,nhsd->nhd")``), which no
     token-by-token core describes: a product whose output reaches a softmax, and the first
-    product after it that reads the weights. The keys are the larger operand."""
+    product after it that reads the weights; the keys are the larger operand, and have an
+    axis more than the scores (the queries' own)."""
     ops = rec.ops[span.start : span.end]
     for op in ops:
         if op.name not in MATMULS:
@@ -962,6 +964,8 @@ def _one_query_core(rec: Recorder, span) -> tuple[Op, Op, Op, Op] | None:
                 if len(others) != 1:
                     break
                 q, k = sorted(pair, key=lambda a: rec.ops[a].output.numel())
+                if op.output.dim() >= rec.ops[k].output.dim():
+                    break  # scores with a query axis: a core, where one is read at all
                 return op, rec.ops[q], rec.ops[k], rec.ops[others[0]]
             reach.add(nxt.index)
             if nxt.name in ("softmax", "_softmax"):

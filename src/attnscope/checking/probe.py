@@ -363,6 +363,24 @@ def _alibi_like(bias: torch.Tensor, slopes: torch.Tensor) -> bool:
     return bool((spread.masked_fill(~finite, 0) < 1e-4 * (1 + e[finite].abs().amax())).all())
 
 
+def _blocks_in_one_product(st: Structure, tokens: int) -> str | None:
+    """Attention on blocks of the tokens computed in one product over all of them, scores
+    ``(..., blocks, queries, keys)`` (Samba's chunked window: each block of queries with
+    its own block's keys and the previous block's), which the reference does not model:
+    what it is, with its line; None otherwise."""
+    score = st.cores[0].score if len(st.cores) == 1 else None
+    if score is None or score.output.dim() < 5:
+        return None
+    blocks, n = score.output.shape[-3], score.output.shape[-2]
+    if not 1 < n < tokens <= blocks * n:
+        return None
+    where = f" at {score.location}" if score.location else ""
+    return (
+        f"not supported yet: attention computed on blocks of the tokens ({blocks} blocks of "
+        f"{n} queries in one product: chunked local or block attention){where}"
+    )
+
+
 def _token_blocks(st: Structure, tokens: int) -> tuple[str, str | None] | None:
     """Attention computed on blocks of a sequence's tokens, a computation for each
     (TRELLIS's windows, block-sparse attention: each query sees only the keys of its
@@ -370,17 +388,6 @@ def _token_blocks(st: Structure, tokens: int) -> tuple[str, str | None] | None:
     over heads, sequences or requests compute on all of a sequence's tokens each."""
     made = [c.fused or c.context or c.score for c in st.cores]
     sizes = [op.output.shape[-2] for op in made if op is not None and op.output.dim() >= 2]
-    score = st.cores[0].score if len(st.cores) == 1 else None
-    if score is not None and score.output.dim() >= 5:
-        # one product over all the blocks at once, (..., blocks, queries, keys): Samba's
-        # chunked window, each block of queries with its keys and the previous block's
-        blocks, n = score.output.shape[-3], score.output.shape[-2]
-        if 1 < n < tokens <= blocks * n:
-            return (
-                f"attention computed on blocks of the tokens ({blocks} blocks of {n} queries "
-                "in one product: chunked local or block attention)",
-                score.location,
-            )
     if len(sizes) < 2 or len(sizes) != len(st.cores) or max(sizes) >= tokens:
         return None
     if max(sizes) == 1:
@@ -665,6 +672,9 @@ class ModuleProbe:
             return self._run_weightless()
         st = self._discover()
         self.structure = st
+        chunked = _blocks_in_one_product(st, self._discovery_tokens)
+        if chunked is not None:
+            raise Unsupported(chunked)
         blocks = _token_blocks(st, self._discovery_tokens)
         if blocks is not None:
             st.unmodelled.append(blocks)
@@ -678,11 +688,6 @@ class ModuleProbe:
         layer = self.entry.module if self.entry is not None else self.module
         if self.weights:
             binding = bind_names(self.module, self.weights, st.heads)  # paths from the target
-        elif blocks is not None:
-            # the projections of a computation on blocks are not read as the reference's
-            raise Unsupported(
-                f"not supported yet: {blocks[0]}" + (f" at {blocks[1]}" if blocks[1] else "")
-            )
         else:
             binding = bind_structure(st, layer, self.module)
         self.binding = binding
@@ -2701,20 +2706,6 @@ class ModuleProbe:
             v = getattr(holder, "attention_multiplier", None)
             if isinstance(v, float) and v > 0:
                 scale, source = v, f"attention_multiplier = {v:g}"
-                break
-        for holder in (getattr(m, "config", None), getattr(self.module, "config", None)):
-            # GPT-2's options: no scale at all, or the scale divided by the layer's number
-            if getattr(holder, "scale_attn_weights", True) is False:
-                scale, source = 1.0, "none (scale_attn_weights=False)"
-            idx = getattr(m, "layer_idx", None)
-            inverse = getattr(holder, "scale_attn_by_inverse_layer_idx", False) is True
-            if inverse and isinstance(idx, int) and not isinstance(idx, bool) and idx >= 0:
-                scale = (head_dim**-0.5 if scale is None else scale) / (idx + 1)
-                source = (
-                    f"{source or f'1/sqrt(d_k) = 1/sqrt({head_dim})'} divided by layer_idx "
-                    f"+ 1 = {idx + 1} (scale_attn_by_inverse_layer_idx)"
-                )
-            if holder is not None and (inverse or scale is not None):
                 break
         factor = getattr(self._hf_rotary, "attention_scaling", None)
         if self._hf_layer_type is not None:  # one factor per layer type (Gemma 3)
