@@ -394,3 +394,85 @@ class _Chunked(nn.Module):
 def test_attention_on_blocks_in_one_product_is_refused_naming_it():
     with pytest.raises(AttnScopeError, match="not supported yet: attention computed on blocks"):
         check(lambda: _Chunked().eval(), kind="causal-multihead")
+
+
+class _Args:
+    """A family's shared settings (YOCO's): its sliding-window models read the window; the
+    baseline Transformer built from the same arguments does not."""
+
+    dim, heads, sliding_window = 32, 4, 3
+
+
+class _FullLayer(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.h = args.heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(args.dim, args.dim) for _ in range(4))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (f(x).view(b, n, self.h, -1).transpose(1, 2) for f in (self.wq, self.wk, self.wv))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, n, d))
+
+
+class _Baseline(nn.Module):
+    """The baseline model: it holds the family's arguments and never reads their window."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.args = _Args()
+        self.layers = nn.ModuleList([_FullLayer(self.args)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+class _Windowed(_Baseline):
+    """The same arguments read on the way to the layer: the window is declared, and the
+    layer (full causal) leaves it out."""
+
+    def forward(self, x):
+        assert self.args.sliding_window > 0  # the model's code names its window
+        return super().forward(x)
+
+
+def test_a_window_the_wrappers_shared_settings_hold_and_no_code_reads_declares_nothing():
+    report = check(lambda: _Baseline().eval(), kind="causal-multihead")
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["window"] is None
+    report = check(lambda: _Windowed().eval(), kind="causal-multihead")
+    assert outcome(report) == ("masked_scores", "window_missing")
+
+
+class _AlibiSwitch(nn.Module):
+    """A layer whose settings switch ALiBi on by a name of its own (ppl.pmx's
+    ``alibi_in_attention``); ``applied``: whether it adds the bias."""
+
+    def __init__(self, applied, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.alibi_in_attention, self.applied, self.h = True, applied, heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / math.sqrt(d // self.h)
+        if self.applied:
+            slopes = 2.0 ** (-8.0 * torch.arange(1, self.h + 1, dtype=torch.float64) / self.h)
+            pos = torch.arange(n, dtype=torch.float64)
+            s = s + (slopes[:, None, None] * (pos[None, :] - pos[:, None])).to(x.dtype)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize(
+    ("applied", "want"), [(True, ("ok",)), (False, ("biased_scores", "bias_missing"))]
+)
+def test_alibi_switched_on_by_any_alibi_flag_is_declared(applied, want):
+    report = check(lambda: _AlibiSwitch(applied).eval(), kind="causal-multihead")
+    assert outcome(report) == want

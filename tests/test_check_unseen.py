@@ -35,6 +35,15 @@ _SHARED_CLASS = (
 )
 
 _OPEN = {
+    # round 43's first run (commit 26eb594)
+    "r43/b10_stepvideo_positions_wrong_axis": "rotary positions that differ per sequence of "
+    "the batch ((b * n + t) // batch): the rotation is not read (its tables differ between "
+    "sequences), so the scores are named not_dot_product, not rope_positions",
+    "r43/b21_yoco_baseline_sdpa_no_causal": (
+        "inferred",
+        "an SDPA call without is_causal in a decoder: with the kind inferred nothing it "
+        "computes says decoder",
+    ),
     # round 42's first run (commit f6585fd)
     "r42/r02_samba_differential_swa": "refused, but for widths that do not compose (two "
     "query and key halves per head), not as differential attention",

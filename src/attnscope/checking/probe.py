@@ -381,6 +381,18 @@ def _blocks_in_one_product(st: Structure, tokens: int) -> str | None:
     )
 
 
+def _settings(holder: object) -> dict:
+    """A layer's or configuration's settings by name: its attributes and, for a plain
+    settings class, those its class declares (``class Args: sliding_window = 8``)."""
+    out: dict = {}
+    if not isinstance(holder, nn.Module):
+        for k, v in vars(type(holder)).items():
+            if not k.startswith("_") and not callable(v):
+                out[k] = v
+    out.update({k: v for k, v in getattr(holder, "__dict__", {}).items() if not k.startswith("_")})
+    return out
+
+
 def _token_blocks(st: Structure, tokens: int) -> tuple[str, str | None] | None:
     """Attention computed on blocks of a sequence's tokens, a computation for each
     (TRELLIS's windows, block-sparse attention: each query sees only the keys of its
@@ -2415,13 +2427,17 @@ class ModuleProbe:
         if self.host is not None or heads < 2:
             return None
         m = self.entry.module if self.entry is not None else self.module
+        def switched_on(d: dict) -> bool:  # ``alibi``, ``use_alibi``, ``alibi_in_attention``
+            return any("alibi" in str(k).lower() and v is True for k, v in d.items())
+
         for holder in self._declaring(m):
-            found = [getattr(holder, a, None) for a in ("alibi", "use_alibi")]
+            found = switched_on({a: getattr(holder, a, None) for a in ("alibi", "use_alibi")})
+            found = found or switched_on(_settings(holder))
             for name in ("attn_config", "attention_config"):
                 sub = getattr(holder, name, None)
                 if isinstance(sub, dict):
-                    found += [sub.get("alibi"), sub.get("use_alibi")]
-            if any(v is True for v in found):
+                    found = found or switched_on(sub)
+            if found:
                 self.notes.append(
                     "its configuration switches ALiBi on, and it adds no position bias"
                 )
@@ -2575,6 +2591,26 @@ class ModuleProbe:
             return None
         return st.window[0]
 
+    def _wrapper_reads(self, attr: str) -> bool:
+        """Whether the code of the target or of a module between it and the layer names
+        ``attr`` (a window its configuration holds for other models of a family, YOCO's
+        arguments shared by its baseline Transformer, declares nothing where no code on
+        the way to the layer reads it)."""
+        if self.entry is None:
+            return True
+        path = self.entry.path.split(".")
+        mods = [self.module] + [
+            self.module.get_submodule(".".join(path[:i])) for i in range(1, len(path))
+        ]
+        for mod in mods:
+            try:
+                src = inspect.getsource(type(mod))
+            except (OSError, TypeError):
+                return True  # no source to read: as declared
+            if re.search(rf"\b{re.escape(attr)}\b", src):
+                return True
+        return False
+
     def _declaring(self, m: nn.Module) -> list:
         """Where a layer's settings are declared: the layer and the target, and the
         configuration each holds (a Hugging Face ``config``; the ``model_args`` or ``args``
@@ -2614,6 +2650,9 @@ class ModuleProbe:
         if any(getattr(m, a, None) is False for a in ("is_sliding", "local", "is_local")):
             return None  # the layer says it is not a sliding one (EXAONE 4's, Samba's full ones)
         converted: list[int | None] = []
+        # the layer's own settings (itself, its configuration, a backend it keeps)
+        own = {id(m)} | {id(getattr(m, a, None)) for a in _CONFIG_HOLDERS if hasattr(m, a)}
+        own |= {id(c) for c in m.children() if not any(True for _ in c.parameters())}
         for holder in self._declaring(m):
             if getattr(holder, "use_sliding_window", True) is False:
                 continue  # declared, and switched off (Qwen 2 configs)
@@ -2621,6 +2660,8 @@ class ModuleProbe:
                 break  # a window size held, and the layer's type says global
             for attr in _WINDOW_NAMES:
                 v = getattr(holder, attr, None)
+                if id(holder) not in own and not self._wrapper_reads(attr):
+                    continue  # the wrapper's settings, which nothing on the way reads
                 if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                     return v
                 if _left_only(v):
