@@ -317,6 +317,8 @@ def _cases(infer: bool):
 
 #: what the refusal of each feature not modelled yet must say
 _FEATURE_WORDS = {
+    "kv_cache_quantization": "clipped to a range",
+    "logit_softcapping": "soft-capping",
     "rope_first_head_only": "rotary",
     "transformer_xl_relative_position": "relative attention",
     "qkv_short_convolution": "convolution over the tokens",
