@@ -476,3 +476,46 @@ class _AlibiSwitch(nn.Module):
 def test_alibi_switched_on_by_any_alibi_flag_is_declared(applied, want):
     report = check(lambda: _AlibiSwitch(applied).eval(), kind="causal-multihead")
     assert outcome(report) == want
+
+
+class _Band2(nn.Module):
+    """A bidirectional local window declared as flash-attn's half-width (``window_size = 3``:
+    ``|i - j| <= 3``, 7 keys), built by the layer; ``slip``: ``"strict"`` (``<``, 5 keys),
+    ``"zero"`` (the far keys' scores set to 0, not hidden), ``"colmax"`` (a hand-written
+    stable softmax taking each key's maximum over the queries)."""
+
+    window_size = 3
+
+    def __init__(self, slip=None, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.slip, self.h = slip, heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / math.sqrt(d // self.h)
+        dist = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs()
+        band = dist < self.window_size if self.slip == "strict" else dist <= self.window_size
+        fill = torch.zeros_like(s) if self.slip == "zero" else torch.full_like(s, float("-inf"))
+        s = torch.where(band, s, fill)
+        if self.slip == "colmax":
+            s = s - s.amax(dim=-2, keepdim=True)
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize(
+    ("slip", "want"),
+    [
+        (None, ("ok",)),
+        ("strict", ("masked_scores", "window_size")),
+        ("zero", ("masked_scores", "mask_fill_value")),
+        ("colmax", ("weights", "not_softmax")),
+    ],
+)
+def test_a_bidirectional_window_declared_as_a_half_width_is_held_to_it(slip, want):
+    report = check(lambda: _Band2(slip).eval(), kind="multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    if slip is None:
+        assert report.structure["window"] == 7

@@ -35,6 +35,12 @@ _SHARED_CLASS = (
 )
 
 _OPEN = {
+    # round 44's first run (commit 87345b1)
+    "r44/b20_yi_sdpa_is_causal_inverted": (
+        "inferred",
+        "an SDPA call with is_causal false in a decoder: with the kind inferred nothing it "
+        "computes says decoder",
+    ),
     # round 43's first run (commit 26eb594)
     "r43/b10_stepvideo_positions_wrong_axis": "rotary positions that differ per sequence of "
     "the batch ((b * n + t) // batch): the rotation is not read (its tables differ between "

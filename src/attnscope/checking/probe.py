@@ -2574,7 +2574,15 @@ class ModuleProbe:
             declared = self._declared_local()
             if declared is not None:
                 return declared
-            return st.window[0] if local else None
+            if not local:
+                return None
+            seen, width = st.window[0], self._declared_window()
+            if width is not None and seen not in (2 * width + 1, width + 1, width):
+                # a width declared (``window_size = 3``) that no reading makes the band seen:
+                # keys on either side (flash-attn's |i - j| <= w, 2w + 1 keys), Longformer's
+                # w // 2 on either side, or the keys in all
+                return 2 * width + 1
+            return seen
         declared = self._declared_window()
         if declared is not None:
             return declared

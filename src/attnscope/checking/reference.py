@@ -429,7 +429,7 @@ def _for_kind(stages: dict[str, T], spec: Spec) -> dict[str, T]:
     if spec.simplified:
         for name in ("queries", "keys", "values", "scaled_scores"):
             stages.pop(name)
-    if not spec.causal:
+    if not spec.causal and spec.window is None:  # a bidirectional local window masks too
         stages.pop(Stage.MASKED_SCORES.value)
     if not spec.multihead:  # single head: drop the head axis
         stages = {

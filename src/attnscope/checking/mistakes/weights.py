@@ -64,6 +64,11 @@ def _softmax_wrong_dim(c: Context) -> list[Mutation]:
     return out
 
 
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its infinities (a column every query hides) read as 0."""
+    return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+
+
 @define(
     "not_softmax",
     expected="expected torch.softmax(scaled_scores, dim=-1)",
@@ -86,6 +91,11 @@ def _not_softmax(c: Context) -> list[Mutation]:
         ),
         "masked scores set to 0 and divided by the row sum": lambda s: (
             s.nan_to_num(neginf=0.0) / s.nan_to_num(neginf=0.0).sum(-1, keepdim=True)
+        ),
+        # a hand-written stable softmax whose maximum is each key's, over the queries: every
+        # column shifted by its own amount, so each row is no longer a softmax of its scores
+        "a softmax of the scores less each key's maximum over the queries (amax dim=-2)": (
+            lambda s: torch.softmax(s - _finite(s.amax(-2, keepdim=True)), dim=-1)
         ),
     }
     return [Mutation("not_softmax", _W, label, softmax=fn) for label, fn in forms.items()]
