@@ -36,6 +36,10 @@ _SHARED_CLASS = (
 
 _OPEN = {
     # round 44's first run (commit 87345b1)
+    "r44/r01_anemoi_periodic_longitude_band": "refused, but as what changes with the "
+    "sequence's length, not naming the periodic (wrapped) band",
+    "r44/r02_kandinsky5_nabla_block_sparse": "refused, but as two softmax maps combined, not "
+    "as a sparse mask chosen from the content",
     "r44/b20_yi_sdpa_is_causal_inverted": (
         "inferred",
         "an SDPA call with is_causal false in a decoder: with the kind inferred nothing it "
