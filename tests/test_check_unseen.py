@@ -35,6 +35,21 @@ _SHARED_CLASS = (
 )
 
 _OPEN = {
+    # round 45's first run (commit c03a057)
+    "r45/c03_magi1_caption_cross": "refused: a full-width LayerNorm on the queries and on the "
+    "(narrower, grouped) keys of a cross layer laid out tokens first is not read as QK norm",
+    "r45/b02_magi1_norms_after_rotary": "refused: the full-width norms after an interleaved "
+    "rotation are not read (the rotation is refused), so qk_norm_misplaced is not reached",
+    "r45/b09_scgpt_megatron_qkv_layout": "passes, by design: the fused projection read per "
+    "head as [q|k|v] (Megatron's layout) is a published convention of the weights, which "
+    "random weights cannot tell from the [q|k|v] blocks the layer was written for",
+    "r45/b18_tahoe_band_lower_edge": "refused: a band with 2 keys behind and 3 ahead (its "
+    "lower edge one short) is a mask of no modelled pattern",
+    "r45/b03_magi1_cross_kv_from_video": (
+        "inferred",
+        "the block's keys and values read from its own stream: with the kind inferred it is "
+        "checked as the self-attention it then computes",
+    ),
     # round 44's first run (commit 87345b1)
     "r44/r01_anemoi_periodic_longitude_band": "refused, but as what changes with the "
     "sequence's length, not naming the periodic (wrapped) band",
@@ -327,6 +342,8 @@ def _cases(infer: bool):
 
 #: what the refusal of each feature not modelled yet must say
 _FEATURE_WORDS = {
+    "pcpt_gen_mask": "mask of another pattern",
+    "qkv_clipping": "clipped to a range",
     "kv_cache_quantization": "clipped to a range",
     "logit_softcapping": "soft-capping",
     "rope_first_head_only": "rotary",

@@ -2427,6 +2427,7 @@ class ModuleProbe:
         if self.host is not None or heads < 2:
             return None
         m = self.entry.module if self.entry is not None else self.module
+
         def switched_on(d: dict) -> bool:  # ``alibi``, ``use_alibi``, ``alibi_in_attention``
             return any("alibi" in str(k).lower() and v is True for k, v in d.items())
 
@@ -2565,8 +2566,16 @@ class ModuleProbe:
         """
         st = self.structure
         local = st is not None and st.local is not None
+        if local and self.kind.causal and not self.kind.cross and st.window is not None:
+            # a band on either side beside the causal mask (llm-foundry's tril(w) & triu(-w)
+            # after its causal mask): the query and the keys before it within the band. A
+            # declared w (the keys in all, or llm-foundry's half-width) that neither reading
+            # makes the band seen holds it to w + 1 keys, the half-width's
+            seen = (st.window[0] + 1) // 2
+            declared = self._declared_window()
+            return seen if declared is None or seen in (declared, declared + 1) else declared + 1
         if local and (self.kind.causal or self.kind.cross):
-            # keys on either side in a causal layer, or across two sequences: not modelled
+            # keys on either side across two sequences: not modelled
             raise Unsupported(f"{self.tgt.text}: not supported yet: {st.local}")
         if self.kind.cross:
             return None
