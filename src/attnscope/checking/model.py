@@ -483,7 +483,8 @@ def _multiplier_of_one(reports, probes, layers, tgt, host, seed, timeout, tokens
     same in every layer, so this one is a slip in the scale (THUMT's ``64 // 4 ** -0.5``,
     the parentheses lost: the queries times 128) and the layer is judged again with the
     constant as it stands. Only a failing layer is judged again: a layer that passes with
-    its own factor (GPT-2's ``scale_attn_by_inverse_layer_idx``) stays passed."""
+    a factor of its own stays passed, so this reading can name a slip otherwise, never
+    make one."""
     stacks: dict[tuple, list[int]] = {}
     for i, ((path, _), layer) in enumerate(zip(reports, layers, strict=True)):
         stacks.setdefault(_stack_of(path, layer), []).append(i)

@@ -2677,8 +2677,8 @@ class ModuleProbe:
                 break  # a window size held, and the layer's type says global
             for attr in _WINDOW_NAMES:
                 v = getattr(holder, attr, None)
-                if id(holder) not in own and not self._wrapper_reads(attr):
-                    continue  # the wrapper's settings, which nothing on the way reads
+                if v is None or (id(holder) not in own and not self._wrapper_reads(attr)):
+                    continue  # none, or the wrapper's settings, which nothing on the way reads
                 if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                     return v
                 if _left_only(v):
