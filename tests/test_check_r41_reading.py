@@ -1,7 +1,9 @@
-"""Readings added after rounds m32 and r40: a constant on one layer's queries that the other
-layers of its stack do not carry is a slip in the scale, not a multiplier of the weights; a
-cache handed back as it was handed is stale; future scores filled with a number after an
-ALiBi bias written per key are a fill value."""
+"""Readings added after rounds r40-r45 and m32-m33: a constant on one layer's queries that the
+other layers of its stack do not carry is a slip in the scale; a cache handed back as it was
+handed is stale, and a step written for one query is read; windows declared under other
+names, in a wrapper's shared settings, as half-widths or as a band beside a causal mask;
+a block that hands its input twice checked as cross-attention; an einsum that writes the
+keys' axis first; ALiBi switched on by any flag; fills, bands and softmaxes misread before."""
 
 import math
 
@@ -519,3 +521,39 @@ def test_a_bidirectional_window_declared_as_a_half_width_is_held_to_it(slip, wan
     assert outcome(report) == want, report.to_text(color=False)
     if slip is None:
         assert report.structure["window"] == 7
+
+
+class _FoundryBand(nn.Module):
+    """llm-foundry's torch path: the causal mask, then a band ``tril(w) & triu(-w)`` for its
+    ``sliding_window_size = w`` (the query and the w keys before it); ``narrow``: the band
+    built for ``w - 2`` (a width no reading of the declared one explains). A band whose two
+    edges differ is a mask of no modelled pattern, refused (round 45's b18)."""
+
+    sliding_window_size = 3
+
+    def __init__(self, narrow=False, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.narrow, self.h = narrow, heads
+        self.Wqkv, self.out_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.Wqkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / math.sqrt(d // self.h)
+        low = torch.finfo(s.dtype).min
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), low)
+        w = self.sliding_window_size - (2 if self.narrow else 0)
+        band = torch.ones(n, n, dtype=torch.bool).tril(w).triu(-w)
+        s = s.masked_fill(~band, low)
+        return self.out_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize(
+    ("narrow", "want"), [(False, ("ok",)), (True, ("masked_scores", "window_size"))]
+)
+def test_a_band_on_either_side_beside_a_causal_mask_is_a_causal_window(narrow, want):
+    report = check(lambda: _FoundryBand(narrow).eval(), kind="causal-multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    if not narrow:
+        assert report.structure["window"] == 4
