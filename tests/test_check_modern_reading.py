@@ -473,9 +473,13 @@ def test_a_declared_local_window_is_held_to_its_declaration(half, declared, want
         assert report.structure["window"] == (None if half is None else 2 * half + 1)
 
 
-def test_a_bidirectional_window_in_a_causal_layer_is_refused():
-    with pytest.raises(AttnScopeError, match="not supported yet: a bidirectional sliding"):
-        check(lambda: _Local(False, 2), kind="causal-multihead")
+def test_a_bidirectional_window_in_a_layer_checked_as_causal_shows_its_future():
+    """A band on either side read in a causal layer is the causal window inside it (the
+    query and the keys before it within the band: llm-foundry's band beside its causal
+    mask); a layer with the band alone shows the keys after the query within it."""
+    report = check(lambda: _Local(False, 2), kind="causal-multihead")
+    assert outcome(report) == ("masked_scores", "mask_diagonal")
+    assert "shows a future token" in report.first_failure.message
 
 
 class _BareBlock(nn.Module):
