@@ -932,13 +932,16 @@ def _layer_operands(rec: Recorder, model: nn.Module, path: str):
             q, k, v = (rec.ops[n] for n in (core.q_node, core.k_node, core.v_node))
             lines = (k.location, _mask_line(rec, op, span), q.location)
             return k.output.detach(), v.output.detach(), lines, q.output.detach()
-    for span in spans[:1]:
-        found = _one_query_core(rec, span)
-        if found is not None:
-            score, q, k, v = found
-            lines = (k.location, _mask_line(rec, score, span), q.location)
-            return k.output.detach(), v.output.detach(), lines, q.output.detach()
-    return None
+    found = _one_query_core(rec, spans[0]) if spans else None
+    if found is None:
+        return None
+    score, q, k, v = found
+    lines = (k.location, _mask_line(rec, score, spans[0]), q.location)
+    return k.output.detach(), v.output.detach(), lines, q.output.detach()
+
+
+#: the calls that turn scores into weights
+_SOFTMAX = ("softmax", "_softmax")
 
 
 def _one_query_core(rec: Recorder, span) -> tuple[Op, Op, Op, Op] | None:
@@ -948,18 +951,17 @@ def _one_query_core(rec: Recorder, span) -> tuple[Op, Op, Op, Op] | None:
     token-by-token core describes: a product whose output reaches a softmax, and the first
     product after it that reads the weights; the keys are the larger operand, and have an
     axis more than the scores (the queries' own)."""
-    ops = rec.ops[span.start : span.end]
-    for op in ops:
+    for op in rec.ops[span.start : span.end]:
         if op.name not in MATMULS:
             continue
         pair = [a for a in op.args if rec.ops[a].output.is_floating_point()]
         if len(pair) != 2:
             continue
-        reach, weights = {op.index}, None
+        reach, softmaxed = {op.index}, False
         for nxt in rec.ops[op.index + 1 : span.end]:
             if not any(a in reach for a in nxt.args):
                 continue
-            if weights is not None and nxt.name in MATMULS:
+            if softmaxed and nxt.name in MATMULS:
                 others = [a for a in nxt.args if a not in reach]
                 if len(others) != 1:
                     break
@@ -968,8 +970,7 @@ def _one_query_core(rec: Recorder, span) -> tuple[Op, Op, Op, Op] | None:
                     break  # scores with a query axis: a core, where one is read at all
                 return op, rec.ops[q], rec.ops[k], rec.ops[others[0]]
             reach.add(nxt.index)
-            if nxt.name in ("softmax", "_softmax"):
-                weights = nxt.index
+            softmaxed = softmaxed or nxt.name in _SOFTMAX
     return None
 
 
@@ -1273,13 +1274,15 @@ def _same_keys_seen(evidence: _Evidence, values: list, pos: int) -> bool:
     n = len(values)
     if full is None or step is None or step.shape[-1] != n or full.shape[-2] <= pos:
         return False
+    if not all(isinstance(v, int) for v in values):
+        return False
     if full.shape[-1] != full.shape[-2]:
         return False
     row = full.narrow(-2, pos, 1).reshape(-1, full.shape[-1])
     hidden_full = {j for j in range(pos + 1) if bool((row[:, j] == 0).all())}
     flat = step.reshape(-1, n)
     hidden_step = {values[i] for i in range(n) if bool((flat[:, i] == 0).all())}
-    return hidden_full == hidden_step and all(isinstance(v, int) for v in values)
+    return hidden_full == hidden_step
 
 
 def _softmax_in(rec: Recorder, path: str) -> torch.Tensor | None:
@@ -1288,7 +1291,7 @@ def _softmax_in(rec: Recorder, path: str) -> torch.Tensor | None:
     if span is None:
         return None
     for op in rec.ops[span.start : span.end]:
-        if op.name in ("softmax", "_softmax") and isinstance(op.output, torch.Tensor):
+        if op.name in _SOFTMAX and isinstance(op.output, torch.Tensor):
             return op.output.detach()
     return None
 

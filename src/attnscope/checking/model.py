@@ -444,16 +444,21 @@ def _stack_of(path: str, layer: nn.Module) -> tuple:
     return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", path), shapes
 
 
+def _stacks(reports, layers) -> list[list[int]]:
+    """The indices of the layers of each stack (:func:`_stack_of`), in the model's order."""
+    stacks: dict[tuple, list[int]] = {}
+    for i, ((path, _), layer) in enumerate(zip(reports, layers, strict=True)):
+        stacks.setdefault(_stack_of(path, layer), []).append(i)
+    return list(stacks.values())
+
+
 def _stacks_as_one(reports, layers, tgt, host, seed, timeout, tokens):
     """With the kind inferred, the layers of one stack (:func:`_stack_of`) are one kind: where
     some mask the future and others do not, the others are checked as the causal kind their
     stack is (a decoder whose later layers were built without their mask, x-transformers'
     ``attn_kwargs.pop("causal")`` in its build loop)."""
-    stacks: dict[tuple, list[int]] = {}
-    for i, ((path, _), layer) in enumerate(zip(reports, layers, strict=True)):
-        stacks.setdefault(_stack_of(path, layer), []).append(i)
     out = list(reports)
-    for members in stacks.values():
+    for members in _stacks(reports, layers):
         kinds = [Kind.of(reports[i][1].kind) for i in members]
         causal = [i for i, k in zip(members, kinds, strict=True) if k.causal]
         if not causal or len(causal) == len(members) or any(k.cross for k in kinds):
@@ -485,11 +490,8 @@ def _multiplier_of_one(reports, probes, layers, tgt, host, seed, timeout, tokens
     constant as it stands. Only a failing layer is judged again: a layer that passes with
     a factor of its own stays passed, so this reading can name a slip otherwise, never
     make one."""
-    stacks: dict[tuple, list[int]] = {}
-    for i, ((path, _), layer) in enumerate(zip(reports, layers, strict=True)):
-        stacks.setdefault(_stack_of(path, layer), []).append(i)
     out = list(reports)
-    for members in stacks.values():
+    for members in _stacks(reports, layers):
         plain = [i for i in members if reports[i][1].ok and not probes[i].multipliers]
         if not plain:
             continue
