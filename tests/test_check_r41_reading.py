@@ -526,8 +526,7 @@ def test_a_bidirectional_window_declared_as_a_half_width_is_held_to_it(slip, wan
 class _FoundryBand(nn.Module):
     """llm-foundry's torch path: the causal mask, then a band ``tril(w) & triu(-w)`` for its
     ``sliding_window_size = w`` (the query and the w keys before it); ``narrow``: the band
-    built for ``w - 2`` (a width no reading of the declared one explains). A band whose two
-    edges differ is a mask of no modelled pattern, refused (round 45's b18)."""
+    built for ``w - 2`` (a width no reading of the declared one explains)."""
 
     sliding_window_size = 3
 

@@ -36,15 +36,9 @@ _SHARED_CLASS = (
 
 _OPEN = {
     # round 45's first run (commit c03a057)
-    "r45/c03_magi1_caption_cross": "refused: a full-width LayerNorm on the queries and on the "
-    "(narrower, grouped) keys of a cross layer laid out tokens first is not read as QK norm",
-    "r45/b02_magi1_norms_after_rotary": "refused: the full-width norms after an interleaved "
-    "rotation are not read (the rotation is refused), so qk_norm_misplaced is not reached",
     "r45/b09_scgpt_megatron_qkv_layout": "passes, by design: the fused projection read per "
     "head as [q|k|v] (Megatron's layout) is a published convention of the weights, which "
     "random weights cannot tell from the [q|k|v] blocks the layer was written for",
-    "r45/b18_tahoe_band_lower_edge": "refused: a band with 2 keys behind and 3 ahead (its "
-    "lower edge one short) is a mask of no modelled pattern",
     "r45/b03_magi1_cross_kv_from_video": (
         "inferred",
         "the block's keys and values read from its own stream: with the kind inferred it is "

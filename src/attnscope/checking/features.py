@@ -145,12 +145,20 @@ def mask_shape(hidden: T) -> tuple[str, int] | None:
     for w in range(1, n):
         if torch.equal(h, ones.triu(1) | ones.tril(-w)):
             return ("window", w)
+    if n > 2 and torch.equal(h, ones.triu(2) | ones.tril(-2)):
+        return ("band", 1)  # the query and one key on either side, before the reading below
+    for w in range(1, n):
         for d in (0, 2):  # a window whose diagonal is off: the window all the same (a mistake)
             if torch.equal(h, ones.triu(d) | ones.tril(-w)):
                 return ("window", w)
     for half in range(1, n - 1):  # keys within `half` positions on either side (local)
         if torch.equal(h, ones.triu(half + 1) | ones.tril(-half - 1)):
             return ("band", half)
+        # one edge a key short (an off-by-one in tril/triu's diagonal): the band all the
+        # same, by its wider side (a mistake the comparison with the reference names)
+        for behind, ahead in ((half, half - 1), (half - 1, half)) if half > 1 else ():
+            if torch.equal(h, ones.triu(ahead + 1) | ones.tril(-behind - 1)):
+                return ("band", half)
     return None
 
 

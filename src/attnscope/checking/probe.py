@@ -223,11 +223,23 @@ def _rotations_on_path(path: list[Op], ref: torch.Tensor, b: int, hd: int) -> li
         for form in as_heads(t.detach().to(torch.float64), seqs, ref.shape[1], ref.shape[2], hd):
             tables = fit_tables(whole, form)
             if tables is not None and tables.turns and tables.is_rotation():
+                if _same_every_token(tables):
+                    # the partner half turned a quarter (rotate_half's swap, interleaved
+                    # pairs stacked as (-x2, x1)): a step of the rotation, not one
+                    break
                 found.append(tables)
                 break
         if len(found) >= 2:
             break
     return found
+
+
+def _same_every_token(t) -> bool:
+    """Tables that turn every token by the same angles: no positions in them."""
+    return t.cos.shape[-2] > 1 and bool(
+        torch.allclose(t.cos, t.cos[..., :1, :], atol=1e-6)
+        and torch.allclose(t.sin, t.sin[..., :1, :], atol=1e-6)
+    )
 
 
 def _rotated_in_place(
@@ -437,6 +449,18 @@ def _context_norm(rec: Recorder, st: Structure) -> ContextNorm | None:
     path = [ops[i] for i in sorted(graph.ancestors(u_node)) if i >= lo and ops[i].leaf is None]
     gains = gains_on_path(ops, graph, path, {d})
     return read_context_norm(inputs, u, gains, eps_on_path(ops, path))
+
+
+def _batch_first(t: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """``t`` laid out as ``given`` ``(B, S, d)`` where the layer holds it sequence first
+    ``(S, B, d)`` (Megatron-style code transposes the second sequence before the layer)."""
+    if (
+        t.dim() == given.dim() == 3
+        and t.shape[:-1] != given.shape[:-1]
+        and t.shape[:-1] == given.shape[:-1][::-1]
+    ):
+        return t.transpose(0, 1)
+    return t
 
 
 def _whole(rec: Recorder, graph: Graph, node: int, numel: int) -> torch.Tensor:
@@ -1832,7 +1856,7 @@ class ModuleProbe:
             g = Graph(rec)
             node = st.roles["k"][0].input_node
             if node is not None and g.roots(node) == {"input:1"}:
-                t = rec.ops[node].output.detach().to(torch.float64)
+                t = _batch_first(rec.ops[node].output.detach().to(torch.float64), given)
                 if t.shape[:-1] == given.shape[:-1]:
                     order = self._batch_order(rec, node) if batched else None
                     given = t if order is None else t[order]
@@ -1842,6 +1866,8 @@ class ModuleProbe:
                 width = st.roles["k"][0].w.shape[0]
                 for op in reversed(rec.ops[: st.call.start]):
                     t = op.output
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        t = _batch_first(t, given)
                     if (
                         isinstance(t, torch.Tensor)
                         and t.is_floating_point()

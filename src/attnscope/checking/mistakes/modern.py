@@ -357,7 +357,29 @@ def _window_size(c: Context) -> list[Mutation]:
                     ),
                 )
             )
+    half = (w - 1) // 2
+    if not causal and 1 < half < n - 1:
+        # a local window one key short on one side only (tril/triu's diagonal off by one)
+        for behind, ahead in ((half - 1, half), (half, half - 1)):
+            out.append(
+                Mutation(
+                    "window_size",
+                    Stage.MASKED_SCORES,
+                    f"a window of {behind} keys behind each query and {ahead} ahead where "
+                    f"{half} on either side are declared",
+                    mask=lambda s, b=behind, a=ahead: s.masked_fill(
+                        _band_hide(s.shape[-1], b, a, s.device), -torch.inf
+                    ),
+                )
+            )
     return out
+
+
+def _band_hide(n: int, behind: int, ahead: int, device) -> torch.Tensor:
+    """``(n, n)`` True for the keys more than ``behind`` before or ``ahead`` after each
+    query."""
+    ones = torch.ones(n, n, dtype=torch.bool, device=device)
+    return ones.triu(ahead + 1) | ones.tril(-behind - 1)
 
 
 def _norm_expected(spec) -> str:

@@ -1,0 +1,153 @@
+"""Readings added after rounds r45-r47: a cross layer whose wrapper hands it the second
+sequence sequence-first; QK norms over the whole projection taken after an interleaved
+rotation written with a quarter-turn swap; a local window one key short on one side; a
+local window of three keys."""
+
+import math
+
+import pytest
+import torch
+from conftest import outcome
+from torch import nn
+from torch.nn import functional as F
+
+from attnscope import check
+
+
+def _interleaved_rotation(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(tokens, batch, heads, dim)`` turned by adjacent pairs, the swap written as
+    ``stack((-x2, x1))`` (a quarter turn of every pair) and the tables repeated per pair."""
+    n, d = x.shape[0], x.shape[-1]
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.outer(torch.arange(n, dtype=torch.float64), inv).repeat_interleave(2, -1)
+    cos, sin = (f(ang)[:, None, None, :].to(x.dtype) for f in (torch.cos, torch.sin))
+    swapped = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return x * cos + swapped * sin
+
+
+class _SeqFirst(nn.Module):
+    """Attention laid out sequence first ``(tokens, batch, width)``, as Megatron-style code
+    runs: 4 query heads over 2 key/value heads of 8, LayerNorms over the whole query and
+    key projections (the keys' as wide as the key/value heads); ``context``: keys and values
+    from a second sequence (no rotation), else an interleaved rotation, the norms taken
+    ``after`` it where asked (the mistake ``qk_norm_misplaced``)."""
+
+    def __init__(self, cross=False, after=False, d=32, heads=4, kv=2):
+        super().__init__()
+        self.cross, self.after, self.h, self.kv, self.hd = cross, after, heads, kv, d // heads
+        self.to_q = nn.Linear(d, d, bias=False)
+        self.to_k = nn.Linear(d, kv * self.hd, bias=False)
+        self.to_v = nn.Linear(d, kv * self.hd, bias=False)
+        self.norm_q, self.norm_k = nn.LayerNorm(d), nn.LayerNorm(kv * self.hd)
+        self.to_out = nn.Linear(d, d)
+
+    def forward(self, h, ctx=None):
+        src = h if ctx is None else ctx
+        q, k, v = self.to_q(h), self.to_k(src), self.to_v(src)
+        if not self.after:
+            q, k = self.norm_q(q), self.norm_k(k)
+        q = q.unflatten(-1, (self.h, self.hd))
+        k, v = (t.unflatten(-1, (self.kv, self.hd)) for t in (k, v))
+        if not self.cross:
+            q, k = _interleaved_rotation(q), _interleaved_rotation(k)
+        if self.after:
+            q = self.norm_q(q.flatten(-2)).unflatten(-1, (self.h, self.hd))
+            k = self.norm_k(k.flatten(-2)).unflatten(-1, (self.kv, self.hd))
+        rep = self.h // self.kv
+        k, v = (t.unsqueeze(3).repeat(1, 1, 1, rep, 1).flatten(2, 3) for t in (k, v))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.to_out(out.permute(2, 0, 1, 3).flatten(2))
+
+
+class _SeqFirstModel(nn.Module):
+    """A wrapper that turns its inputs sequence first, and the second sequence through a
+    projection of its own, before the layer (MAGI-1's caption branch)."""
+
+    def __init__(self, cross=False, after=False, d=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(d, d)
+        self.ctx_proj = nn.Sequential(nn.Linear(d, d), nn.SiLU())
+        self.attn = _SeqFirst(cross, after, d)
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, nn.LayerNorm):
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.uniform_(-0.2, 0.2)
+
+    def forward(self, x, caption=None):
+        h = self.embed(x).transpose(0, 1)
+        ctx = None if caption is None else self.ctx_proj(caption).transpose(0, 1)
+        return self.attn(h, ctx).transpose(0, 1)
+
+
+def test_a_cross_layer_handed_its_second_sequence_sequence_first_is_read():
+    """The keys' input is the wrapper's projected caption, held ``(tokens, batch, width)``:
+    read as the layer holds it, the full-width norms on the queries and the (narrower)
+    grouped keys are found (it had been refused as a norm it could not read)."""
+    report = check(lambda: _SeqFirstModel(cross=True).eval(), kind="cross")
+    assert report.ok, report.to_text(color=False)
+    s = report.structure
+    assert (s["cross"], s["qk_norm"], s["heads"], s["kv_heads"]) == (True, "full", 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("after", "want"), [(False, ("ok",)), (True, ("normed_queries", "qk_norm_misplaced"))]
+)
+def test_full_width_norms_after_an_interleaved_rotation_are_misplaced(after, want):
+    """The quarter-turn swap on the way (``stack((-x2, x1))``) turns every token alike: it
+    is a step of the rotation, not the rotation the norms come after."""
+    report = check(lambda: _SeqFirstModel(after=after).eval(), kind="multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    if not after:
+        assert report.structure["rope"]["pairing"] == "interleaved"
+        assert report.structure["qk_norm"] == "full"
+
+
+class _Local(nn.Module):
+    """A bidirectional local window declared as ``sliding_window_size = half`` keys on
+    either side, built ``tril(half) & triu(-half)``; ``edge``: the lower edge's diagonal
+    ``-half + 1`` (one key short behind) or the upper's ``half - 1`` (one short ahead)."""
+
+    def __init__(self, half=3, edge=None, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.sliding_window_size, self.edge, self.h = half, edge, heads
+        self.Wqkv, self.out_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.Wqkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / math.sqrt(d // self.h)
+        w = self.sliding_window_size
+        upper = w - 1 if self.edge == "upper" else w
+        lower = -w + 1 if self.edge == "lower" else -w
+        band = torch.ones(n, n, dtype=torch.bool).tril(upper).triu(lower)
+        s = s.masked_fill(~band, torch.finfo(s.dtype).min)
+        return self.out_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize(
+    ("edge", "want"),
+    [
+        (None, ("ok",)),
+        ("lower", ("masked_scores", "window_size")),
+        ("upper", ("masked_scores", "window_size")),
+    ],
+)
+def test_a_local_window_one_key_short_on_one_side_is_a_window_size(edge, want):
+    report = check(lambda: _Local(edge=edge).eval(), kind="multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    if edge is None:
+        assert report.structure["window"] == 7
+    else:
+        assert "ahead where 3 on either side are declared" in report.first_failure.message
+
+
+def test_a_local_window_of_three_keys_is_read_as_one():
+    """The query and one key on either side (half-width 1): read as the band it is, not as
+    a causal window of two with its diagonal off."""
+    report = check(lambda: _Local(half=1).eval(), kind="multihead")
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["window"] == 3
