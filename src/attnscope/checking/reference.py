@@ -194,6 +194,7 @@ class Mutation:
     softmax: Callable[[T], T] | None = None
     after_softmax: Callable[[T], T] | None = None
     context: Callable[[T, T], T] | None = None
+    values_as_keys: bool = False  # the weights times the keys the scores took, not the values
     merge: Callable[[T], T] | None = None
     skip_out: bool = False
     # modern layers: the rotation of queries and keys ((role, heads) -> rotated), the
@@ -398,7 +399,10 @@ def _weights(st: dict[str, T], spec: Spec, mut: Mutation, sub, batched, nan_rows
 
 def _output(st: dict[str, T], spec: Spec, w: Weights | None, mut: Mutation, sub) -> dict:
     """Context ``(B, H, T, hd)``, then the heads merged and projected: ``(B, T, d)``."""
-    vh = (mut.expand_values or mut.expand_kv or expand_kv)(st["values"], spec.group)
+    values = st["values"]
+    if mut.values_as_keys:
+        values = st.get("rotated_keys", st.get("normed_keys", st["keys"]))
+    vh = (mut.expand_values or mut.expand_kv or expand_kv)(values, spec.group)
     vh = _fold_batch(vh) if mut.flatten_batch else vh
     weights = st["weights"]
     context = sub.get("context", mut.context(weights, vh) if mut.context else weights @ vh)

@@ -671,7 +671,7 @@ class _Reader:
             roles=roles,
             shared=shared,
             out=out if out is not None and span[0] <= out.op.index < span[1] else None,
-            unused=self._unused(call, span),
+            unused=self._unused(call, span, cores),
             heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
@@ -998,15 +998,21 @@ class _Reader:
         names = tuple(sorted({n for p in parallel for n in p.params}))
         return Projection(first.op, w, first.b, names, first.input_node)
 
-    def _unused(self, call: ModuleCall | None, span) -> list[tuple[str, nn.Module | T]]:
+    def _unused(
+        self, call: ModuleCall | None, span, cores: list[Core] = ()
+    ) -> list[tuple[str, nn.Module | T]]:
         """Projection weights the layer holds and its computation never read: an output
-        projection defined and skipped, or W_key defined while keys were made with W_query."""
+        projection defined and skipped, or W_key defined while keys were made with W_query.
+        A weight whose product goes nowhere (``value = self.to_v(x)`` computed, the weights
+        then multiplied by the keys) counts as never read."""
         module = call.module if call is not None else self.root
         prefix = f"{call.path}." if call is not None and call.path else ""
+        live = self._live(cores)
         read = set()
         for op in self.ops:
-            if op.leaf is not None and op.leaf.startswith("param:"):
-                read.add(op.leaf[len("param:") :])
+            leaf = op.leaf or ""
+            if leaf.startswith("param:") and (live is None or op.index in live):
+                read.add(leaf[len("param:") :])
         found: list[tuple[str, nn.Module | T]] = []
         owners = set()
         for name, sub in module.named_modules():
@@ -1021,6 +1027,26 @@ class _Reader:
                 continue
             found.append((name, p))
         return found
+
+    def _live(self, cores: list[Core]) -> set[int] | None:
+        """The ops the attention's result depends on: what the cores' contexts were made
+        from and everything made after from them (the output projection's weights
+        included); None where no core holds a context."""
+        ends = [(c.context or c.fused) for c in cores]
+        if not ends or any(e is None for e in ends):
+            return None
+        first = min(e.index for e in ends)
+        after = {e.index for e in ends}
+        for op in self.ops[first + 1 :]:
+            if any(a in after for a in op.args):
+                after.add(op.index)
+        live, stack = set(), list(after)
+        while stack:  # every op those were made from, walked once
+            i = stack.pop()
+            if i not in live:
+                live.add(i)
+                stack.extend(self.ops[i].args)
+        return live
 
     # -- torch's own MultiheadAttention
     def _from_mha(self, op: Op, after_context) -> Structure:

@@ -32,6 +32,12 @@ def _context_wrong_product(c: Context) -> list[Mutation]:
             "weights summed over keys times values",
             context=lambda w, v: w.sum(-1, keepdim=True) * v,
         ),
+        Mutation(
+            "context_wrong_product",
+            Stage.CONTEXT,
+            "weights times the keys: weights @ keys, not weights @ values",
+            values_as_keys=True,
+        ),
     ]
 
 

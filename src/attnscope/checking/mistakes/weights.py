@@ -80,6 +80,10 @@ def _not_softmax(c: Context) -> list[Mutation]:
         "sigmoid": torch.sigmoid,
         "no normalisation": lambda s: s,
         "exp without normalising": torch.exp,
+        # a hand-written stable softmax that never divides by the row sum
+        "exp of the scores less their row maximum, never divided by the row sum": (
+            lambda s: torch.exp(s - _finite(s.amax(-1, keepdim=True)))
+        ),
         "log_softmax": lambda s: torch.log_softmax(s, dim=-1),
         "relu divided by the row sum": lambda s: s.relu() / s.relu().sum(-1, keepdim=True),
         # F.normalize in the softmax's place (p=1: the absolute row sum; its default p=2)
