@@ -1,7 +1,8 @@
 """Readings added after rounds r45-r47: a cross layer whose wrapper hands it the second
 sequence sequence-first; QK norms over the whole projection taken after an interleaved
 rotation written with a quarter-turn swap; a local window one key short on one side; a
-local window of three keys."""
+local window of three keys; a softmax never divided, the weights times the keys, a band
+handed to SDPA as floats."""
 
 import math
 
@@ -151,3 +152,67 @@ def test_a_local_window_of_three_keys_is_read_as_one():
     report = check(lambda: _Local(half=1).eval(), kind="multihead")
     assert report.ok, report.to_text(color=False)
     assert report.structure["window"] == 3
+
+
+class _Eager(nn.Module):
+    """Bidirectional attention written out: 4 heads of 8, per-head RMSNorms on queries and
+    keys; ``slip``: ``"no_sum"`` (a stable softmax's exp, never divided by the row sum),
+    ``"keys"`` (the weights times the normed keys, the value projection computed and
+    dropped), or a local window of ``band`` keys either side handed to SDPA as floats
+    (``"float_band"``: 1 where seen, 0 where hidden, added, not hidden)."""
+
+    def __init__(self, slip=None, band=None, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.slip, self.h = slip, heads
+        if band is not None:
+            self.sliding_window_size = band
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.qn, self.kn = nn.RMSNorm(d // heads), nn.RMSNorm(d // heads)
+        with torch.no_grad():
+            self.qn.weight.uniform_(0.5, 1.5)
+            self.kn.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (f(x).view(b, n, self.h, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        q, k = self.qn(q), self.kn(k)
+        if hasattr(self, "sliding_window_size"):
+            w = self.sliding_window_size
+            band = torch.ones(n, n, dtype=torch.bool).tril(w).triu(-w)
+            mask = band.to(q.dtype) if self.slip == "float_band" else band
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.slip == "no_sum":
+            # the batch packed into one sequence, kept apart by a block-diagonal mask (a
+            # varlen kernel's eager stand-in): the weights are never seen in the reference's
+            # layout, so only a mutation that makes them names the mistake
+            q, k, v = (t.transpose(0, 1).reshape(1, self.h, b * n, -1) for t in (q, k, v))
+            seq = torch.arange(b * n) // n
+            s = q @ k.transpose(-1, -2) / math.sqrt(d // self.h)
+            s = s.masked_fill(seq[:, None] != seq[None, :], torch.finfo(s.dtype).min)
+            out = (torch.exp(s - s.amax(-1, keepdim=True)) @ v).reshape(self.h, b, n, -1)
+            out = out.transpose(0, 1)
+        else:
+            s = q @ k.transpose(-1, -2) / math.sqrt(d // self.h)
+            out = s.softmax(-1) @ (k if self.slip == "keys" else v)
+        return self.o(out.transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize(
+    ("slip", "band", "want"),
+    [
+        (None, None, ("ok",)),
+        ("no_sum", None, ("weights", "not_softmax")),
+        ("keys", None, ("context", "context_wrong_product")),
+        (None, 2, ("ok",)),
+        ("float_band", 2, ("masked_scores", "mask_fill_value")),
+    ],
+)
+def test_weights_context_and_fills_written_out_are_named(slip, band, want):
+    """A stable softmax that never divides (on a packed batch); the weights times the keys
+    the scores took (the value projection's product going nowhere counts as never read, so
+    the binding keeps it for the values); a boolean band cast to floats and added."""
+    report = check(lambda: _Eager(slip, band).eval(), kind="multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    if slip == "keys":
+        assert "weights @ keys" in report.first_failure.message

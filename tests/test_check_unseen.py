@@ -35,6 +35,21 @@ _SHARED_CLASS = (
 )
 
 _OPEN = {
+    # round 47's first run (commit 9e32ebd)
+    "r47/b05_pyramid_seq_id_modulo": "refused: a batch packed into one sequence whose mask "
+    "lets a query see another sequence's keys (sequence ids taken modulo the batch) is read "
+    "as a mask of another pattern, not as batch_mixing",
+    "r47/b17_llasa_rotary_over_head_axis": "refused: rotary tables indexed by the head axis "
+    "(every token of a head turned by the head's number) are not read as a rotation, so "
+    "rope_positions is not reached",
+    "r47/r03_pyramid_joint_text": "refused, but as a mask of another pattern, not naming the "
+    "learned caption tokens joined to the keys",
+    # round 46's first run (commit 88a3952)
+    "r46/b09_kronos_is_causal_training_only": (
+        "inferred",
+        "an SDPA call with is_causal only in training: with the kind inferred nothing it "
+        "computes in eval mode says decoder",
+    ),
     # round 45's first run (commit c03a057)
     "r45/b09_scgpt_megatron_qkv_layout": "passes, by design: the fused projection read per "
     "head as [q|k|v] (Megatron's layout) is a published convention of the weights, which "
@@ -336,6 +351,12 @@ def _cases(infer: bool):
 
 #: what the refusal of each feature not modelled yet must say
 _FEATURE_WORDS = {
+    # rounds 46 and 47
+    "block_local_windows": "mask of another pattern",
+    "xpos_scaling": "rotary",
+    "frame_block_causal_mask": "mask of another pattern",
+    "axial_2d_rope": "rotary position embedding",
+    "learned_kv_registers": "learned bias key/value rows",
     "pcpt_gen_mask": "mask of another pattern",
     "qkv_clipping": "clipped to a range",
     "kv_cache_quantization": "clipped to a range",

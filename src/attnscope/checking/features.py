@@ -181,10 +181,10 @@ def tokens_last(hidden: T) -> T:
 
 
 def _lower_triangle_kept(t: T) -> T | None:
-    """Where a mask of two finite values (a boolean tril cast to floats and added: 1 where
-    a key is seen, 0 where hidden) gives the lower one, when those cells are exactly the
-    keys after each query: a causal mask filled with the wrong value (the judge names it);
-    None otherwise."""
+    """Where a mask of two finite values (a boolean tril or band cast to floats and added:
+    1 where a key is seen, 0 where hidden) gives the lower one, when those cells are the
+    keys after each query, or those outside a sliding window or a local band: a mask
+    filled with the wrong value (the judge names it); None otherwise."""
     if t.dim() < 2 or t.shape[-1] != t.shape[-2] or t.shape[-1] < 2:
         return None
     values = torch.unique(t)
@@ -193,7 +193,13 @@ def _lower_triangle_kept(t: T) -> T | None:
     low = t == values[0]
     n = t.shape[-1]
     future = torch.ones(n, n, dtype=torch.bool).triu(1)
-    return low if bool((low == future).all()) else None
+    if bool((low == future).all()):
+        return low
+    flat = low.reshape(-1, n, n)
+    if not bool((flat == flat[:1]).all()):
+        return None
+    shape = mask_shape(flat[0])
+    return low if shape is not None and shape[0] in ("window", "band") else None
 
 
 def _causal_slice(hidden: T) -> bool:

@@ -6,7 +6,7 @@ import torch
 
 from ...stages import Stage
 from ..compare import close
-from ..reference import Mutation, causal_hide, window_hide
+from ..reference import Mutation, band_hide, causal_hide, window_hide
 from .base import Context, Evidence, define
 
 T = torch.Tensor
@@ -128,6 +128,38 @@ def _finite_fill(ev: Evidence) -> bool:
     return bool(rows.any() and ((hi - lo)[rows] < 1e-6 * (1 + masked[~hidden].abs().max())).all())
 
 
+def _band_fill_value(c: Context) -> list[Mutation]:
+    """A bidirectional local window's mask filled with a finite value, or cast to 0/1 and
+    added (SNAC's boolean band handed to SDPA as floats)."""
+    if c.spec.window is None:
+        return []
+
+    def hide(n: int) -> T:
+        return band_hide(n, c.spec.window)
+
+    out = [
+        Mutation(
+            "mask_fill_value",
+            _M,
+            f"the local window's hidden scores filled with {value:g}",
+            mask=lambda s, v=value: s.masked_fill(hide(s.shape[-1]), v),
+            facts={"fill": value, "name": f"{value:g}"},
+        )
+        for value in (0.0, -1.0, 1.0)
+    ]
+    out.append(
+        Mutation(
+            "mask_fill_value",
+            _M,
+            "the local window as a 0/1 mask added to the scores (1 where a key is seen, 0 "
+            "where hidden)",
+            mask=lambda s: s + (~hide(s.shape[-1])).to(s.dtype),
+            facts={"fill": "0/1 added", "name": "1 where a key is seen, 0 where hidden"},
+        )
+    )
+    return out
+
+
 @define(
     "mask_fill_value",
     expected="expected -inf (or a very negative number) so masked keys get weight 0",
@@ -135,7 +167,7 @@ def _finite_fill(ev: Evidence) -> bool:
 )
 def _mask_fill_value(c: Context) -> list[Mutation]:
     if not c.spec.causal:
-        return []
+        return _band_fill_value(c)
     fills = [(0.0, "0"), (-1.0, "-1"), (1.0, "1"), (-10.0, "-10"), (-100.0, "-100")]
     # the minus sign dropped from a large fill (SASRec's ``-2 ** 32 + 1`` written
     # ``2 ** 32 + 1``): the hidden keys take every weight, alike; any such value does
