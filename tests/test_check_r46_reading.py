@@ -12,7 +12,7 @@ from conftest import outcome
 from torch import nn
 from torch.nn import functional as F
 
-from attnscope import check
+from attnscope import AttnScopeError, check
 
 
 def _interleaved_rotation(x: torch.Tensor) -> torch.Tensor:
@@ -216,3 +216,46 @@ def test_weights_context_and_fills_written_out_are_named(slip, band, want):
     assert outcome(report) == want, report.to_text(color=False)
     if slip == "keys":
         assert "weights @ keys" in report.first_failure.message
+
+
+class _Packed(nn.Module):
+    """The batch packed into one sequence of ``batch * tokens`` (a varlen kernel's eager or
+    SDPA stand-in), kept apart by a mask of sequence ids: ``arange // tokens`` (right) or,
+    with ``modulo``, ``arange % batch`` (queries then see keys of other sequences);
+    ``halved``: the scores also halved (a second slip no single mistake explains)."""
+
+    def __init__(self, modulo=False, sdpa=False, halved=False, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.modulo, self.sdpa, self.halved, self.h = modulo, sdpa, halved, heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(1, b * n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        ids = torch.arange(b * n)
+        seq = ids % b if self.modulo else ids // n
+        keep = seq[:, None] == seq[None, :]
+        if self.sdpa:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        else:
+            s = q @ k.transpose(-1, -2) / math.sqrt(d // self.h) * (0.5 if self.halved else 1)
+            s = s.masked_fill(~keep, torch.finfo(s.dtype).min)
+            out = s.softmax(-1) @ v
+        return self.o(out.transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+@pytest.mark.parametrize(("modulo", "want"), [(False, ("ok",)), (True, ("scores", "batch_mixing"))])
+def test_a_packed_batch_whose_mask_lets_sequences_see_each_other_is_batch_mixing(
+    modulo, want, sdpa
+):
+    report = check(lambda: _Packed(modulo, sdpa).eval(), kind="multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    if modulo:
+        assert "packed into one sequence" in report.first_failure.message
+
+
+def test_a_packed_leak_no_single_mistake_explains_is_refused_not_judged():
+    with pytest.raises(AttnScopeError, match="keys of other sequences packed beside"):
+        check(lambda: _Packed(modulo=True, halved=True).eval(), kind="multihead")

@@ -36,9 +36,6 @@ _SHARED_CLASS = (
 
 _OPEN = {
     # round 47's first run (commit 9e32ebd)
-    "r47/b05_pyramid_seq_id_modulo": "refused: a batch packed into one sequence whose mask "
-    "lets a query see another sequence's keys (sequence ids taken modulo the batch) is read "
-    "as a mask of another pattern, not as batch_mixing",
     "r47/b17_llasa_rotary_over_head_axis": "refused: rotary tables indexed by the head axis "
     "(every token of a head turned by the head's number) are not read as a rotation, so "
     "rope_positions is not reached",

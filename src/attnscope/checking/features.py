@@ -261,6 +261,26 @@ def _packed_batch(hidden: T, lead: tuple[int, int] | None) -> bool:
     return torch.equal(flat[0], seq_q[:, None] != seq_k[None, :])
 
 
+def _packed_leak(hidden: T, lead: tuple[int, int] | None) -> T | None:
+    """The cells a mask hides where a batch of ``lead`` (batch, tokens) is packed into one
+    sequence (queries and keys along all the batch's tokens, alike in every head) and some
+    query sees a key of another sequence (sequence ids made wrongly: ``% batch`` for
+    ``// tokens``), each query seeing at least one key; None otherwise."""
+    if lead is None or lead[0] < 2 or hidden.dim() < 2:
+        return None
+    batch, tokens = lead
+    flat = hidden.reshape(-1, *hidden.shape[-2:]).bool()
+    n, m = flat.shape[-2:]
+    if n != batch * tokens or m != n or not bool((flat == flat[:1]).all()):
+        return None
+    seq = torch.arange(n) // tokens
+    other = seq[:, None] != seq[None, :]
+    h = flat[0]
+    if bool(h.all(-1).any()) or not bool((other & ~h).any()):
+        return None
+    return h.clone()
+
+
 @dataclass
 class BiasSeen:
     """A position bias added to the scores: its tensor as recorded, the shape of the scores
@@ -1112,6 +1132,13 @@ class Features:
         shape = mask_shape(hidden)
         if shape is None and _packed_batch(hidden, self._lead()):
             return None  # sequences packed into one: each sees its own (the output shows)
+        leak = _packed_leak(hidden, self._lead()) if shape is None else None
+        if leak is not None:
+            # sequences packed into one whose mask lets a query see another's keys: the
+            # judge reproduces the output with this mask (batch_mixing), else refuses
+            self.s.packed_leak = (leak, None)
+            self._unread = f"{how} letting queries see keys of other sequences packed beside"
+            return None
         if shape is None:
             chunk = causal_chunks(hidden)
             if chunk is not None:
@@ -1151,6 +1178,7 @@ class Features:
             self.s.causal = self.s.causal or f"is_causal=True at {op.location}"
         mask = bound.get("attn_mask")
         if isinstance(mask, torch.Tensor):
+            self._unread = None
             if mask.dtype == torch.bool:
                 found = self._judge_hidden(~mask, "a boolean attn_mask")
             else:
@@ -1178,6 +1206,9 @@ class Features:
                     hidden if low is None else low,
                     "an additive attn_mask" + ("" if low is None else " of two finite values"),
                 )
+            if found is None and self.s.packed_leak is not None and self._unread:
+                # refused unless the judge reproduces the output with it (batch_mixing)
+                self._unmodelled(f"a mask on the scores ({self._unread})", op.location)
             if found is not None:
                 kind, detail = found
                 if kind == "band":

@@ -100,6 +100,11 @@ class Structure:
     #: the projections' ops that ``roles`` does not list: one weight applied again to
     #: another sequence of the batch (a loop over the sequences), read as the one it is
     repeats: set[int] = field(default_factory=set)
+    #: a batch packed into one sequence whose mask lets queries see another sequence's
+    #: keys: the cells it hides, ``(batch * tokens, batch * tokens)`` for the recorded
+    #: probe's sizes, with its line (the mistake ``batch_mixing``, which the judge
+    #: reproduces with this very mask)
+    packed_leak: tuple[T, str | None] | None = None
 
     @property
     def projection_ops(self) -> set[int]:

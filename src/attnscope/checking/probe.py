@@ -2627,6 +2627,10 @@ class ModuleProbe:
         st = self.structure
         return st.window[0] if st is not None and st.window is not None else None
 
+    def _packed_leak(self) -> torch.Tensor | None:
+        st = self.structure
+        return st.packed_leak[0] if st is not None and st.packed_leak is not None else None
+
     def _window_seen(self) -> int | None:
         """The window the layer's mask shows (see :meth:`_window`)."""
         st = self.structure
@@ -2916,6 +2920,7 @@ class ModuleProbe:
                     scale_source=source,
                     softcap=softcap,
                     out_norm=out_norm,
+                    packed_leak=self._packed_leak(),
                 )
                 out.append((w, spec))
                 if isinstance(spec.position_bias, LearnedBias) and scale is None:

@@ -73,6 +73,10 @@ class Spec:
     softcap: float | None = None
     #: a norm over the merged heads before the output projection (a sub-LayerNorm)
     out_norm: ContextNorm | None = None
+    #: what the mask of a batch packed into one sequence hides where it lets queries see
+    #: other sequences' keys, ``(batch * tokens, batch * tokens)`` (see
+    #: :attr:`.layer.Structure.packed_leak`)
+    packed_leak: T | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind.of(self.kind))

@@ -191,6 +191,24 @@ def _batch_mixing(c: Context) -> list[Mutation]:
                 context=lambda w, v: w @ _refolded(v),
             ),
         ]
+    leak = c.spec.packed_leak
+    if leak is not None and leak.shape[-1] == c.batch * c.tokens:
+        # the batch packed into one sequence under the layer's own mask, which lets
+        # queries see other sequences' keys (a call of one sequence is not packed: as is)
+        def packed(q: T, k: T, hide: T = leak) -> T:
+            s = q @ k.mT
+            return s.masked_fill(hide, -torch.inf) if s.shape[-1] == hide.shape[-1] else s
+
+        out.append(
+            Mutation(
+                "batch_mixing",
+                _S,
+                "the batch packed into one sequence under a mask that lets each query see "
+                "keys of other sequences",
+                flatten_batch=True,
+                scores=packed,
+            )
+        )
     if c.spec.kind.cross and c.batch > 2:
         # a cross layer's memory of the batch in reverse order (DUSt3R's two views swapped
         # by ``flip(0)``; for two sequences the same as taking the other's)
