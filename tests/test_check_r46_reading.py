@@ -259,3 +259,45 @@ def test_a_packed_batch_whose_mask_lets_sequences_see_each_other_is_batch_mixing
 def test_a_packed_leak_no_single_mistake_explains_is_refused_not_judged():
     with pytest.raises(AttnScopeError, match="keys of other sequences packed beside"):
         check(lambda: _Packed(modulo=True, halved=True).eval(), kind="multihead")
+
+
+class _HeadIndexed(nn.Module):
+    """Llama-style attention, ``rotate_half`` rotary on 4 heads of 8; ``by_head``: the
+    tables built for ``arange(heads)`` and unsqueezed on the token axis, so every token of
+    head h is turned by h's angles (tables indexed along the head axis)."""
+
+    def __init__(self, by_head=False, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.by_head, self.h, self.hd = by_head, heads, d // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (f(x).view(b, n, self.h, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        inv = 1.0 / 10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd)
+        pos = torch.arange(self.h if self.by_head else n, dtype=torch.float64)
+        ang = torch.cat([torch.outer(pos, inv)] * 2, -1)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        cos, sin = (t[:, None] if self.by_head else t for t in (cos, sin))
+
+        def turn(t):
+            half = t.shape[-1] // 2
+            return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
+        q, k = turn(q), turn(k)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize(
+    ("by_head", "want"), [(False, ("ok",)), (True, ("rotated_queries", "rope_positions"))]
+)
+def test_rotary_tables_indexed_by_the_head_are_wrong_positions(by_head, want):
+    """Read as a rotation whose rows are the heads (it had been refused as rotary it could
+    not read), the frequencies from it, and the slip named."""
+    report = check(lambda: _HeadIndexed(by_head).eval(), kind="causal-multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    assert report.structure["rope"] == {"pairing": "half", "fraction": 1.0, "base": 10000.0}
+    if by_head:
+        assert "head's number" in report.first_failure.message

@@ -36,9 +36,6 @@ _SHARED_CLASS = (
 
 _OPEN = {
     # round 47's first run (commit 9e32ebd)
-    "r47/b17_llasa_rotary_over_head_axis": "refused: rotary tables indexed by the head axis "
-    "(every token of a head turned by the head's number) are not read as a rotation, so "
-    "rope_positions is not reached",
     "r47/r03_pyramid_joint_text": "refused, but as a mask of another pattern, not naming the "
     "learned caption tokens joined to the keys",
     # round 46's first run (commit 88a3952)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -50,6 +50,9 @@ class Rope:
     #: positions that are no run (a ring buffer's ``pos % window``, positions restarting
     #: each patch), as its tables show them on the probe's tokens
     read_positions: tuple[tuple[str, tuple[float, ...]], ...] = field(default=(), compare=False)
+    #: the sides ("q", "k") the layer turns by their head's number, every token alike
+    #: (tables indexed along the head axis: the mistake ``rope_positions``)
+    by_head: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def rot(self) -> int:
@@ -234,6 +237,9 @@ class Tables:
     #: sequence (a flattened batch counting on across its sequences, or rows picked by the
     #: batch index: see :func:`read_rope`)
     per_sequence: bool = False
+    #: rows that are heads, not tokens (``(H, rot)``): every token of head h turned alike,
+    #: by h's angles (tables indexed along the head axis)
+    by_head: bool = False
 
     @property
     def turns(self) -> bool:
@@ -272,6 +278,8 @@ class Tables:
 
     def apply(self, p: T) -> T:
         """``p`` ``(..., T, D)`` turned by these tables (the rest times the factor)."""
+        if self.by_head:  # ``(B, H, T, D)``: the rows are the heads
+            return replace(self, by_head=False).apply(p.transpose(-3, -2)).transpose(-3, -2)
         part = p[..., : self.rot]
         cos, sin = self.cos, self.sin
         if self.per_sequence:  # (B, T, rot) -> (B, 1, T, rot): over the heads
@@ -317,11 +325,23 @@ def _solve(p: T, r: T, u: T) -> tuple[T, T, float]:
     return cos, sin, resid
 
 
-def fit_tables(p: T, u: T) -> Tables | None:
+def _by_head(p: T, u: T) -> Tables | None:
+    """A rotation of every token of a head alike, by angles that change from head to head
+    (the tables indexed along the head axis), or None."""
+    if p.dim() != 4 or p.shape[1] < 2 or p.shape[2] < 2:
+        return None
+    t = fit_tables(p.transpose(1, 2), u.transpose(1, 2), by_head=False)
+    if t is None or t.per_sequence or not t.turns or not t.is_rotation():
+        return None
+    return replace(t, by_head=True)
+
+
+def fit_tables(p: T, u: T, by_head: bool = True) -> Tables | None:
     """The rotation that takes the projected heads ``p`` to the operand ``u`` (both
     ``(B, H, T, D)``, float64), or None when none fits (something else happened between).
 
     Returns identity tables (``sin`` 0) when ``u`` is ``p`` unrotated (times a factor).
+    ``by_head``: where no tables by token fit, try tables by head (:attr:`Tables.by_head`).
     """
     d = p.shape[-1]
     big = u.abs().amax().item()
@@ -368,7 +388,7 @@ def fit_tables(p: T, u: T) -> Tables | None:
     if not fits and p.shape[0] > 2:
         fits = _per_sequence(p, u, rot)
     if not fits:
-        return None
+        return _by_head(p, u) if by_head else None
     # both fit only where the samples cannot tell them apart: prefer the true rotation
     fits.sort(key=lambda t: not _rotation_like(t))
     pairing, cos, sin = fits[0].pairing, fits[0].cos, fits[0].sin
@@ -564,6 +584,9 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
         pos = positions_of(side.tables.angles(layout).to(torch.float64), freqs)
         if pos is not None:
             at.append((role, tuple(round(p, 4) + 0.0 for p in pos.tolist())))
+    by_head = tuple(r for r, t in (("q", q_tables), ("k", k_tables)) if t is not None and t.by_head)
+    if by_head:
+        offsets = (0.0, 0.0)  # the heads' numbers are no positions of the tokens
     return Rope(
         layout,
         tuple(float(f) for f in freqs),
@@ -572,4 +595,5 @@ def read_rope(q_tables: Tables | None, k_tables: Tables | None, head_dim: int) -
         reading.linear,
         scaled_side,
         tuple(at),
+        by_head,
     )

@@ -148,6 +148,25 @@ def _rope_positions(c: Context) -> list[Mutation]:
             )
         )
 
+    if rope.by_head:
+        # tables indexed along the head axis: every token of head h turned by h's angles
+        def by_head(r, t):
+            if r not in rope.by_head:
+                return rope.rotate(t)
+            heads = torch.arange(t.shape[-3], dtype=torch.float64)
+            return rope.rotate(t.transpose(-3, -2), positions=heads).transpose(-3, -2)
+
+        role = rope.by_head[0]
+        side = "queries and keys" if len(rope.by_head) == 2 else {"q": "queries", "k": "keys"}[role]
+        out.append(
+            Mutation(
+                "rope_positions",
+                Stage.ROTATED_QUERIES if role == "q" else Stage.ROTATED_KEYS,
+                f"the {side} rotated by their head's number, every token alike (the tables "
+                "indexed along the head axis, not the tokens')",
+                rotate=by_head,
+            )
+        )
     read = dict(rope.read_positions)
     if read:
         # the positions the tables show on a side that does not count 0, 1, 2, ... (a ring
