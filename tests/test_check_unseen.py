@@ -459,6 +459,7 @@ _FEATURE_WORDS = {
 #: features modelled since their round was written: those correct layers are now judged
 _MODELLED = {"rotary", "grouped", "window", "qk_norm", "alibi", "cross", "model", "softcap"}
 _MODELLED |= {"logit_softcap", "sub_layernorm", "context_norm"}  # since rounds 28 and m21
+_MODELLED |= {"logit_softcapping"}  # round 43's word for it, refused undeclared; r48's declared
 #: since round 38: a learned bias, per head a function of the key's offset from the query
 #: (Moirai's same-variate bias, its variates interleaved: a function of the offset's parity)
 _MODELLED |= {"relative_bias", "variate_attention_bias"}
@@ -466,6 +467,7 @@ _MODELLED |= {"relative_bias", "variate_attention_bias"}
 _MODELLED_WHEN_DECLARED = {
     "softcap": "attn_logit_softcapping",
     "logit_softcap": "attn_logit_softcapping",
+    "logit_softcapping": "attn_logit_softcapping",
 }
 
 
