@@ -301,3 +301,67 @@ def test_rotary_tables_indexed_by_the_head_are_wrong_positions(by_head, want):
     assert report.structure["rope"] == {"pairing": "half", "fraction": 1.0, "base": 10000.0}
     if by_head:
         assert "head's number" in report.first_failure.message
+
+
+class _PackedCausal(nn.Module):
+    """A decoder's batch packed into one stream for SDPA, a block-diagonal causal mask of
+    sequence ids keeping each sequence causal and apart (a varlen kernel's stand-in);
+    ``train_items``: the keys and values cut to the first ``(n + 1) // 2`` tokens instead,
+    every query attending to them alone (TabPFN's training items; no mask)."""
+
+    def __init__(self, train_items=False, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.train_items, self.h = train_items, heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        if self.train_items:
+            q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+            cut = (n + 1) // 2
+            out = F.scaled_dot_product_attention(q, k[..., :cut, :], v[..., :cut, :])
+            return self.o(out.transpose(1, 2).reshape(b, n, d))
+        q, k, v = self.qkv(x).reshape(1, b * n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        seq, tok = torch.arange(b * n) // n, torch.arange(b * n) % n
+        keep = (seq[:, None] == seq[None, :]) & (tok[None, :] <= tok[:, None])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.o(out.transpose(1, 2).reshape(b, n, d))
+
+
+def test_a_packed_batch_causal_within_each_sequence_is_causal_not_chunked():
+    """Chunks of the probe's length along all the batch's tokens are its sequences (it had
+    been refused as chunked attention)."""
+    report = check(lambda: _PackedCausal().eval(), kind="causal-multihead")
+    assert report.ok, report.to_text(color=False)
+    assert report.structure["causal"] is True
+
+
+def test_keys_cut_to_part_of_the_sequence_are_refused_not_judged():
+    with pytest.raises(AttnScopeError, match="keys and values for 4 of the sequence's 7"):
+        check(lambda: _PackedCausal(train_items=True).eval(), kind="multihead")
+
+
+class _UnreadContext(nn.Module):
+    """A cross layer whose keys and values are projected from the first input, the second
+    (``context``) never read: its width cannot show, the key weights take the first's (a
+    first parameter of another width, a gate's, is what a width search tries first)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h = heads
+        self.gate = nn.Parameter(torch.zeros(5))  # registered first; unused here
+        self.q, self.kv, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+
+    def forward(self, x, context):
+        b, n, d = x.shape
+        q = self.q(x).view(b, n, self.h, -1).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.h, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.o(out.transpose(1, 2).reshape(b, n, d))
+
+
+def test_a_cross_layer_that_never_reads_its_context_is_probed_at_the_inputs_width():
+    report = check(lambda: _UnreadContext().eval(), kind="cross")
+    assert outcome(report) == ("keys", "wrong_source"), report.to_text(color=False)

@@ -35,6 +35,18 @@ _SHARED_CLASS = (
 )
 
 _OPEN = {
+    # round 49's first run (commit b9f44c2)
+    "r49/b20_tabpfn_kv_from_test_items": (
+        "inferred",
+        "the layer's second input is never read (keys and values projected from the test "
+        "items): with the kind inferred it is checked as the self-attention it computes",
+    ),
+    # round 48's first run (commit 7cbdf4e)
+    "r48/b16_mmaudio_kv_from_latent": (
+        "inferred",
+        "the cross layer's keys and values read from its own stream: with the kind inferred it "
+        "is checked as the self-attention it then computes",
+    ),
     # round 47's first run (commit 9e32ebd)
     "r47/r03_pyramid_joint_text": "refused, but as a mask of another pattern, not naming the "
     "learned caption tokens joined to the keys",
@@ -345,7 +357,10 @@ def _cases(infer: bool):
 
 #: what the refusal of each feature not modelled yet must say
 _FEATURE_WORDS = {
-    # rounds 46 and 47
+    # rounds 46 to 49
+    "multi_axis_rope": "rotary position embedding whose angles are not position x frequency",
+    "null_key_value": "learned bias key/value rows",
+    "train_items_only_keys": "keys and values for 4 of the sequence's 7 tokens only",
     "block_local_windows": "mask of another pattern",
     "xpos_scaling": "rotary",
     "frame_block_causal_mask": "mask of another pattern",

@@ -261,6 +261,15 @@ def _packed_batch(hidden: T, lead: tuple[int, int] | None) -> bool:
     return torch.equal(flat[0], seq_q[:, None] != seq_k[None, :])
 
 
+def _packed_rows(hidden: T, lead: tuple[int, int] | None, chunk: int) -> bool:
+    """Whether a mask causal within chunks of ``chunk`` tokens runs along all the tokens
+    of a batch of ``lead`` (batch, tokens), one chunk per sequence: the sequences packed
+    into one."""
+    if lead is None or lead[0] < 2 or chunk != lead[1]:
+        return False
+    return hidden.shape[-1] == hidden.shape[-2] == lead[0] * lead[1]
+
+
 def _packed_leak(hidden: T, lead: tuple[int, int] | None) -> T | None:
     """The cells a mask hides where a batch of ``lead`` (batch, tokens) is packed into one
     sequence (queries and keys along all the batch's tokens, alike in every head) and some
@@ -374,6 +383,18 @@ class Features:
             shape = tuple(out.shape[-2:]) if out is not None and out.dim() >= 2 else None
         if shape is None or shape[0] == shape[1]:
             return
+        if shape[1] < shape[0] and self._weighs(core) in (None, shape[1]):
+            # fewer keys than queries, from the sequence itself, and the weights over no
+            # more (not one block of keys whose scores are joined to the others' before
+            # the softmax): keys and values cut to some of its tokens (TabPFN's training
+            # items before ``single_eval_pos``)
+            op = core.fused or core.score
+            self._unmodelled(
+                f"keys and values for {shape[1]} of the sequence's {shape[0]} tokens only (a "
+                "part of the sequence every query attends to, as TabPFN's training items?)",
+                op.location if op is not None else None,
+            )
+            return
         for node in (core.k_node, core.v_node):
             for i in sorted(self.g.ancestors(node)) if node is not None else []:
                 op = self.ops[i]
@@ -387,6 +408,15 @@ class Features:
                         "rotation and norm read on the slots some query sees explain them)",
                         op.location,
                     )
+
+    def _weighs(self, core: Core) -> int | None:
+        """How many keys the weights the context is made from weigh (their last axis), or
+        None where no context product is seen."""
+        ctx = core.context
+        if ctx is None or not ctx.args:
+            return None
+        w = self.ops[ctx.args[0]].output
+        return int(w.shape[-1]) if isinstance(w, torch.Tensor) and w.dim() >= 2 else None
 
     def _hidden_slots(self, core: Core, shape: tuple[int, int]) -> str:
         """How many of the keys read no query sees (slots of a static cache not written,
@@ -1141,6 +1171,14 @@ class Features:
             return None
         if shape is None:
             chunk = causal_chunks(hidden)
+            lead = self._lead()
+            if chunk is not None and _packed_rows(hidden, lead, chunk):
+                # chunks as long as the probe's sequences over all the batch's tokens: the
+                # batch packed into one, each sequence causal (a varlen kernel's stand-in)
+                return (
+                    "mask",
+                    f"a causal mask within each sequence of a batch packed into one ({how})",
+                )
             if chunk is not None:
                 return (
                     "band",
