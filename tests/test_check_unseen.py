@@ -212,9 +212,6 @@ _OPEN = {
     "r27/r02_blt_differential_attention": "refused, but as a multiway layer (two query "
     "weights), not as differential attention",
     # round 26's first run (commit 96879ad)
-    "r26/b07_neobert_freqs_indexed_by_head_axis": "every token of head h turned by the same "
-    "angle (the tables indexed by the head axis), queries and keys alike: no score changes, "
-    "so a rotation that does not move with the position is refused, as r13's and r20's",
     "r26/r04_hrm_differential_attention": "refused, but for widths that do not compose: two "
     "fused attention calls (each on half of the heads' features) whose outputs are "
     "subtracted are not read as differential attention",
