@@ -365,3 +365,128 @@ class _UnreadContext(nn.Module):
 def test_a_cross_layer_that_never_reads_its_context_is_probed_at_the_inputs_width():
     report = check(lambda: _UnreadContext().eval(), kind="cross")
     assert outcome(report) == ("keys", "wrong_source"), report.to_text(color=False)
+
+
+class _CrossBlock(nn.Module):
+    """LightGlue's cross block: queries from the first set, keys and values from the second
+    (a fused ``to_kv``), the message joined to the input and through an FFN inside the
+    block's own forward; ``rotate_queries``: the queries alone turned by their positions
+    (Surya's cross layer over image features)."""
+
+    def __init__(self, rotate_queries=False, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h, self.rotate_queries = heads, rotate_queries
+        self.to_q, self.to_kv, self.to_out = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.ffn = nn.Sequential(nn.Linear(2 * d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x0, x1):
+        q = self.to_q(x0).unflatten(-1, (self.h, -1)).transpose(1, 2)
+        k, v = (t.unflatten(-1, (self.h, -1)).transpose(1, 2) for t in self.to_kv(x1).chunk(2, -1))
+        if self.rotate_queries:
+            q = _interleaved_rotation(q.transpose(1, 2).transpose(0, 1)).transpose(0, 1)
+            q = q.transpose(1, 2)
+        w = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
+        ctx = torch.einsum("bhij,bhjd->bhid", w.softmax(-1), v)
+        m = self.to_out(ctx.transpose(1, 2).flatten(2))
+        return x0 + self.ffn(torch.cat([x0, m], -1))
+
+
+class _CrossModel(nn.Module):
+    def __init__(self, rotate_queries=False, d=32):
+        super().__init__()
+        self.cross = _CrossBlock(rotate_queries, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, a, b):
+        return self.norm(self.cross(a, b))
+
+
+def test_a_cross_block_with_a_feed_forward_inside_is_checked_at_its_attention():
+    """The block's exit is found on a run that records its second sequence too (without it
+    no attention was found there, and the block's output was held to the attention's)."""
+    report = check(lambda: _CrossModel().eval(), kind="cross")
+    assert report.ok, report.to_text(color=False)
+
+
+def test_rotary_on_the_queries_alone_of_a_cross_layer_is_refused():
+    with pytest.raises(AttnScopeError, match="on the queries only of a cross-attention layer"):
+        check(lambda: _CrossModel(rotate_queries=True).eval(), kind="cross")
+
+
+class _SetAttention(nn.Module):
+    """The Set Transformer's multi-head block: heads cut by ``split(dim_split, 2)`` and
+    joined on the batch axis head-major; ``slip``: ``"reshape"`` (cut by ``reshape(B * H,
+    -1, dim_split)`` instead, merged back head-major all the same), ``"residual"`` (the
+    original's ``O = Q_ + A V_``, the projected queries added inside), ``"softmin"``,
+    ``"twice"`` (a softmax of the softmax)."""
+
+    def __init__(self, slip=None, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.slip, self.h = slip, heads
+        self.fc_q, self.fc_k, self.fc_v, self.fc_o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        q, k, v = self.fc_q(x), self.fc_k(x), self.fc_v(x)
+        ds, b = q.shape[-1] // self.h, q.shape[0]
+        if self.slip == "reshape":
+            q_, k_, v_ = (t.reshape(b * self.h, -1, ds) for t in (q, k, v))
+        else:
+            q_, k_, v_ = (torch.cat(t.split(ds, 2), 0) for t in (q, k, v))
+        s = q_.bmm(k_.transpose(1, 2)) / math.sqrt(ds)
+        if self.slip == "softmin":
+            a = F.softmin(s, 2)
+        elif self.slip == "twice":
+            a = torch.softmax(s, 2).softmax(2)
+        else:
+            a = torch.softmax(s, 2)
+        o = a.bmm(v_) + (q_ if self.slip == "residual" else 0)
+        return self.fc_o(torch.cat(o.split(b, 0), 2))
+
+
+@pytest.mark.parametrize(
+    ("slip", "want"),
+    [
+        (None, ("ok",)),
+        ("reshape", ("queries", "heads_split")),
+        ("softmin", ("weights", "not_softmax")),
+        ("twice", ("weights", "not_softmax")),
+    ],
+)
+def test_set_transformer_slips_are_named(slip, want):
+    report = check(lambda: _SetAttention(slip).eval(), kind="multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+
+
+def test_the_projected_queries_added_to_the_context_are_refused():
+    with pytest.raises(AttnScopeError, match="projected queries added to the context"):
+        check(lambda: _SetAttention("residual").eval(), kind="multihead")
+
+
+class _WindowSoftmin(nn.Module):
+    """A causal window of 3 keys as an additive mask of the dtype's minimum, the weights by
+    ``F.softmin``: wherever every row hides some key, a fill of +inf (the minus sign
+    dropped) gives the same output; the masked scores the layer made say the mask is right."""
+
+    sliding_window = 3
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h = heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        seen = (j <= i) & (j > i - self.sliding_window)
+        mask = torch.zeros(n, n).masked_fill(~seen, torch.finfo(torch.float32).min).to(x.dtype)
+        s = q @ k.transpose(-1, -2) / math.sqrt(d // self.h) + mask
+        return self.o((F.softmin(s, -1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+def test_a_softmin_behind_a_mask_seen_right_is_the_weights_not_the_fill():
+    report = check(lambda: _WindowSoftmin().eval(), kind="causal-multihead")
+    assert outcome(report) == ("weights", "not_softmax"), report.to_text(color=False)

@@ -35,6 +35,23 @@ _SHARED_CLASS = (
 )
 
 _OPEN = {
+    # round 51's first run (commit 415f243)
+    "r51/b12_seedvc_ring_buffer_key_slot": "refused: keys written one slot late in a rolling "
+    "buffer, the values in place: the keys' rotation, read slot by slot, is no rotation of "
+    "the sequence's, so wrong_key_index is not reached",
+    "r51/r03_settransformer_pma_seed_queries": "refused, but as two tensors multiplied over "
+    "the tokens, not naming the learned seed queries",
+    # round 50's first run (commit 81f093b)
+    "r50/b11_mapneo_padding_only_mask": (
+        "inferred",
+        "the model hands its decoder layer a padding mask only and SDPA no is_causal: with "
+        "the kind inferred nothing it computes says decoder",
+    ),
+    "r50/b17_lightglue_keys_from_x0": (
+        "inferred",
+        "the cross block's keys read from its own set: with the kind inferred it is checked "
+        "as the self-attention it then computes",
+    ),
     # round 49's first run (commit b9f44c2)
     "r49/b20_tabpfn_kv_from_test_items": (
         "inferred",
@@ -354,7 +371,14 @@ def _cases(infer: bool):
 
 #: what the refusal of each feature not modelled yet must say
 _FEATURE_WORDS = {
-    # rounds 46 to 49
+    # rounds 46 to 51
+    "learned 2-D rotary (rotation angles from keypoint coordinates)": "rotary position embedding",
+    "attention sink (learned per-head sink logit in the softmax)": "attention sink",
+    "talking heads (scores mixed across heads before softmax)": "across heads",
+    "log-n (position-dependent) query scaling": "changes with the position",
+    "query_only_rotary": "on the queries only of a cross-attention layer",
+    "query_residual": "projected queries added to the context",
+    "memory_key_values": "learned bias key/value rows",
     "multi_axis_rope": "rotary position embedding whose angles are not position x frequency",
     "null_key_value": "learned bias key/value rows",
     "train_items_only_keys": "keys and values for 4 of the sequence's 7 tokens only",

@@ -681,6 +681,21 @@ class Features:
                 )
                 self.s.rotary.setdefault(role, (what, op.location))
 
+    def _queries_added(self, op: Op, made: set[int]) -> bool:
+        """Whether ``op`` adds to the context a tensor made from the queries' projection
+        and not from any core's product."""
+        q_ops = {p.op.index for p in self.s.roles.get("q", [])}
+        products = {
+            o.index for c in self.s.cores for o in (c.score, c.context, c.fused) if o is not None
+        }
+        for a in op.args:
+            if a in made or not self.g.tainted[a]:
+                continue
+            before = self.g.ancestors(a)
+            if before & q_ops and not before & products:
+                return True
+        return False
+
     def _gated(self, core: Core) -> None:
         """The context multiplied, before the layer's output, by another function of the
         input (AlphaFold's and Qwen3-Next's output gate, ``sigmoid(W_g x) * context``):
@@ -703,6 +718,13 @@ class Features:
                 )
                 self.s.out_norm = (op.index, what, op.location)
                 self._unmodelled(what, op.location)
+                return
+            if op.index in made and op.name in _ADDS and self._queries_added(op, made):
+                self._unmodelled(
+                    "the projected queries added to the context inside the attention (the "
+                    "Set Transformer's O = Q + A V?)",
+                    op.location,
+                )
                 return
             if op.index not in made or op.name not in _GATES:
                 continue

@@ -583,6 +583,7 @@ class Judge:
         combined_kv = self.w is not None and "[k|v]" in self.w.source
         candidates = catalogue(Context(self.spec, tokens, batch, combined, biases, combined_kv))
         projs = [project(c.x, self.spec, self.w, c.context) for c in calls]
+        first = None
         for mut in candidates:
             outs = []
             for c, p in zip(calls, projs, strict=True):
@@ -592,11 +593,37 @@ class Judge:
                 outs.append(out)
             else:
                 if not all(close(o["output"], r) for o, r in zip(outs, ref_outs, strict=True)):
+                    if first is None and self._masked_seen_right(mut, calls[0]):
+                        # the masked scores the layer made are the reference's: a later
+                        # mistake that gives the same output is the one (a softmin reads as
+                        # a fill of +inf wherever every row hides some key)
+                        first = (mut, outs[0])
+                        continue
                     return mut, outs[0]
+        if first is not None:
+            return first
         template = next((m for m in candidates if m.code == "missing_scale"), None)
         if template is not None:
             return self._fit_scale(template, calls)
         return None
+
+    def _masked_seen_right(self, mut: Mutation, call: Call) -> bool:
+        """Whether ``mut`` blames the masked scores while the layer's own masked scores,
+        recorded, are the reference's."""
+        if mut.stage is not Stage.MASKED_SCORES:
+            return False
+        ref = pipeline(call.x, self.spec, self.w, context=call.context).get("masked_scores")
+        if ref is None:
+            return False
+        found = find_stage(
+            call.ops + call.sdpa_ops,
+            Stage.MASKED_SCORES,
+            ref,
+            batched=call.batched,
+            spec_scale=self.spec.scale,
+            causal=self.spec.causal,
+        )
+        return found is not None
 
     def _mutant(self, call: Call, proj, mut: Mutation) -> dict | None:
         """The mutation's stages for this call if its output is the user's, else None.

@@ -972,7 +972,8 @@ class ModuleProbe:
             got.setdefault("out", first_tensor(out))
 
         handle = e.module.register_forward_hook(keep)
-        rec = self._recorder(x)
+        # a cross block's second sequence recorded as an input too: its keys are made from it
+        rec = self._recorder(x) if other is None else self._recorder(x, other)
         try:
             with rec:
                 _, err = self._invoke_root(x, other=other)
@@ -3095,6 +3096,18 @@ class ModuleProbe:
         if read is None:
             return None
         sides, eps = read
+        turned = [r for r, s in sides.items() if s.tables.turns]
+        if call.context is not None and len(turned) == 1:
+            # one side of a cross layer rotated: its keys hold another sequence's positions,
+            # and rotating the queries alone is a design (Surya's text decoder over image
+            # features), which the reference does not model; no verdict either way
+            side = "queries" if turned == ["q"] else "keys"
+            where = next(iter(st.rotary.values()), (None, None))[1]
+            raise Unsupported(
+                f"not supported yet: rotary position embedding on the {side} only of a "
+                "cross-attention layer (its other side another sequence's)"
+                + (f" at {where}" if where else "")
+            )
         rope = None
         if st.rotary or any(s.tables.turns for s in sides.values()):
             rope = read_rope(sides["q"].tables, sides["k"].tables, hd)

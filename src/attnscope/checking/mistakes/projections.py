@@ -193,6 +193,13 @@ def _merge_interleaved(c: T) -> T:
     return c.permute(0, 2, 3, 1).reshape(c.shape[0], c.shape[2], -1)
 
 
+def _merge_head_major(c: T) -> T:
+    """``(B, H, T, hd)`` whose ``B * H`` rows, batch-major, are read back head-major (the
+    Set Transformer's ``cat(O.split(B, 0), 2)`` after a ``reshape(B * H, -1, hd)`` cut)."""
+    b, h, n, e = c.shape
+    return c.reshape(h, b, n, e).permute(1, 2, 0, 3).reshape(b, n, h * e)
+
+
 def only_one(which: int, bad: Callable[[T, int], T]) -> Callable[[T, int], T]:
     """A split applied wrongly to one of queries/keys/values (by call order 0, 1, 2)."""
     calls = {"n": 0}
@@ -237,6 +244,16 @@ def _heads_split(c: Context) -> list[Mutation]:
                     "heads_split", stage, f"heads of {stage} cut from {how}", split=only_one(i, bad)
                 )
             )
+    out.append(
+        Mutation(
+            "heads_split",
+            Stage.QUERIES,
+            "heads cut from tokens by reshape(b * heads, tokens, head_dim) (all of q, k, v), "
+            "merged back as if cut head-major (split(b, 0), cat on the features)",
+            split=_split_tokens,
+            merge=_merge_head_major,
+        )
+    )
     if c.spec.kv == c.spec.num_heads:
         # (B, T, H, hd) never transposed: each token attends over its own heads
         def heads_kept(t: T, heads: int) -> T:

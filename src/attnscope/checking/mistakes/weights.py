@@ -79,6 +79,14 @@ def _not_softmax(c: Context) -> list[Mutation]:
         "scores divided by their row sum": lambda s: s / s.sum(-1, keepdim=True),
         "sigmoid": torch.sigmoid,
         "no normalisation": lambda s: s,
+        "a softmax of the softmax (applied twice)": lambda s: torch.softmax(
+            torch.softmax(s, dim=-1), dim=-1
+        ),
+        # F.softmin for F.softmax: a softmax of the negated scores, where the hidden keys
+        # (a finite fill, negated) take every weight
+        "softmin: a softmax of the negated scores": lambda s: torch.softmax(
+            -s.clamp_min(-1e30), dim=-1
+        ),
         "exp without normalising": torch.exp,
         # a hand-written stable softmax that never divides by the row sum
         "exp of the scores less their row maximum, never divided by the row sum": (
