@@ -287,9 +287,13 @@ def test_a_batch_packed_into_one_sequence_with_a_block_diagonal_mask(blocks, wan
     assert outcome(report) == want, report.to_text(color=False)
 
 
-def test_a_block_diagonal_mask_misaligned_with_the_packed_sequences_is_refused():
-    with pytest.raises(AttnScopeError, match="not supported yet: a mask of another pattern"):
-        check(lambda: _Packed("misaligned"), kind="multihead")
+def test_a_block_diagonal_mask_misaligned_with_the_packed_sequences_is_batch_mixing():
+    """Blocks one token longer than the sequences: the first token of each sequence but the
+    first sees the one before's keys. Where that very mask reproduces the output, the
+    sequences mixing is the mistake (it had been refused as a pattern of its own)."""
+    report = check(lambda: _Packed("misaligned"), kind="multihead")
+    assert outcome(report) == ("scores", "batch_mixing"), report.to_text(color=False)
+    assert "packed into one sequence" in report.first_failure.message
 
 
 class _BatchManyChunks(nn.Module):

@@ -383,11 +383,12 @@ class Features:
             shape = tuple(out.shape[-2:]) if out is not None and out.dim() >= 2 else None
         if shape is None or shape[0] == shape[1]:
             return
-        if shape[1] < shape[0] and self._weighs(core) in (None, shape[1]):
-            # fewer keys than queries, from the sequence itself, and the weights over no
-            # more (not one block of keys whose scores are joined to the others' before
-            # the softmax): keys and values cut to some of its tokens (TabPFN's training
-            # items before ``single_eval_pos``)
+        single = len(self.s.cores) == 1
+        if shape[1] < shape[0] and single and self._weighs(core) in (None, shape[1]):
+            # fewer keys than queries, from the sequence itself, in the one product there
+            # is (not a block of keys beside others, split-KV's), the weights over no more
+            # (not one block whose scores are joined to the others' before the softmax):
+            # keys and values cut to some of its tokens (TabPFN's training items)
             op = core.fused or core.score
             self._unmodelled(
                 f"keys and values for {shape[1]} of the sequence's {shape[0]} tokens only (a "

@@ -838,10 +838,10 @@ class ModuleProbe:
                 end = rec.node_of(out) if isinstance(out, torch.Tensor) else None
                 if self._second_read and end is not None:
                     self._second_read = "input:1" in Graph(rec).roots(end)
-                if other is not None and not self._second_read:
-                    # a second sequence it never reads (keys made from the first by
-                    # mistake) runs at any width: probe it at the first's, which its key
-                    # and value weights take
+                if other is not None and not any(second & set(op.args) for op in rec.ops):
+                    # a second sequence no op reads (keys made from the first by mistake)
+                    # runs at any width: probe it at the first's, which its key and value
+                    # weights take
                     self._context_width = d
                 if st.weightless:
                     raise AttnScopeError(
