@@ -3070,6 +3070,12 @@ class ModuleProbe:
                             user = _written_slots(user, seen_keys(graph, core), ref.shape[2])
                         h = ref.shape[1] if once is None else spec.num_heads
                         found = as_heads(user, b, h, ref.shape[2], hd)
+                        if role == "k":
+                            # keys written one slot off into a cache (a 1-based position used
+                            # as a slot, a ring buffer's + 1): their rotation read on the
+                            # slots rolled back, after the slots as they are; the scores'
+                            # stage names the mistake (wrong_key_index)
+                            found += [f.roll(r, dims=-2) for r in (1, -1) for f in found]
                         return found if once is None else [f[:, once] for f in found]
 
                     found = next(
