@@ -1,8 +1,11 @@
-"""Readings added after rounds r45-r47: a cross layer whose wrapper hands it the second
+"""Readings added after rounds r45-r53: a cross layer whose wrapper hands it the second
 sequence sequence-first; QK norms over the whole projection taken after an interleaved
-rotation written with a quarter-turn swap; a local window one key short on one side; a
-local window of three keys; a softmax never divided, the weights times the keys, a band
-handed to SDPA as floats."""
+rotation written with a quarter-turn swap; local windows one key short on one side or of
+three keys; a softmax never divided, a softmin, a softmax twice, the weights times the
+keys, a band handed to SDPA as floats; batches packed into one sequence (causal within
+each, or mixing them); rotary tables indexed by the head; keys cut to part of the
+sequence; cross blocks with a feed-forward inside, rotary on one side of them, or a second
+input never read; the Set Transformer's heads; keys written one slot off into a cache."""
 
 import math
 
@@ -490,3 +493,59 @@ class _WindowSoftmin(nn.Module):
 def test_a_softmin_behind_a_mask_seen_right_is_the_weights_not_the_fill():
     report = check(lambda: _WindowSoftmin().eval(), kind="causal-multihead")
     assert outcome(report) == ("weights", "not_softmax"), report.to_text(color=False)
+
+
+class _RotatedCache(nn.Module):
+    """A causal layer with ``rotate_half`` rotary whose keys and values go through a static
+    cache of the sequence's length; ``slip``: ``"slot"`` (the keys written at
+    ``input_pos - 1``, a 1-based position used as a slot, the values in place), ``"ring"``
+    (at ``(input_pos + 1) % n``), ``"reshape"`` (the keys ``reshape``d to ``(..., D, T)``
+    where a transpose was meant)."""
+
+    def __init__(self, slip=None, d=32, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.slip, self.h, self.hd = slip, heads, d // heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        inv = 1.0 / 10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd)
+        ang = torch.cat([torch.outer(torch.arange(n, dtype=torch.float64), inv)] * 2, -1)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+
+        def turn(t):
+            half = t.shape[-1] // 2
+            return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
+        q, k = turn(q), turn(k)
+        pos = torch.arange(n)
+        k_cache, v_cache = torch.zeros_like(k), torch.zeros_like(v)
+        slots = {"slot": pos - 1, "ring": (pos + 1) % n}.get(self.slip, pos)
+        k_cache[:, :, slots] = k
+        v_cache[:, :, pos] = v
+        if self.slip == "reshape":
+            kt = k_cache.reshape(b, self.h, self.hd, n)
+        else:
+            kt = k_cache.transpose(-1, -2)
+        s = q @ kt / math.sqrt(self.hd)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return self.o((s.softmax(-1) @ v_cache).transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize(
+    ("slip", "want"),
+    [
+        (None, ("ok",)),
+        ("slot", ("scores", "wrong_key_index")),
+        ("ring", ("scores", "wrong_key_index")),
+        ("reshape", ("scores", "not_dot_product")),
+    ],
+)
+def test_rotated_keys_written_one_slot_off_or_reshaped_are_read_and_named(slip, want):
+    """The keys' rotation is read on the cache's slots rolled back, or on the scrambled view
+    read back by the same reshape (both had been refused as rotary it could not read)."""
+    report = check(lambda: _RotatedCache(slip).eval(), kind="causal-multihead")
+    assert outcome(report) == want, report.to_text(color=False)
+    assert report.structure["rope"]["pairing"] == "half"

@@ -35,10 +35,15 @@ _SHARED_CLASS = (
 )
 
 _OPEN = {
+    # round 53's first run (commit e2ad102)
+    "r53/r02_apt_log_length_query_scaling": "refused, but as rotary it cannot read (the "
+    "queries' log-length factor folded into the rotated queries), not naming the scaling",
+    "r53/b08_apt_sdpa_is_causal_wrong_config_key": (
+        "inferred",
+        "an SDPA call whose is_causal reads a configuration key the model never sets: with "
+        "the kind inferred nothing it computes says decoder",
+    ),
     # round 51's first run (commit 415f243)
-    "r51/b12_seedvc_ring_buffer_key_slot": "refused: keys written one slot late in a rolling "
-    "buffer, the values in place: the keys' rotation, read slot by slot, is no rotation of "
-    "the sequence's, so wrong_key_index is not reached",
     "r51/r03_settransformer_pma_seed_queries": "refused, but as two tensors multiplied over "
     "the tokens, not naming the learned seed queries",
     # round 50's first run (commit 81f093b)
@@ -371,7 +376,9 @@ def _cases(infer: bool):
 
 #: what the refusal of each feature not modelled yet must say
 _FEATURE_WORDS = {
-    # rounds 46 to 51
+    # rounds 46 to 53
+    "query_key_position_embedding": "a position embedding added to some of them only",
+    "frame_block_attention": "mask of another pattern",
     "learned 2-D rotary (rotation angles from keypoint coordinates)": "rotary position embedding",
     "attention sink (learned per-head sink logit in the softmax)": "attention sink",
     "talking heads (scores mixed across heads before softmax)": "across heads",

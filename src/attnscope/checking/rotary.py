@@ -178,6 +178,10 @@ def as_heads(u: T, b: int, h: int, n: int, d: int) -> list[T]:
     out = _as_heads(u, b, h, n, d)
     if u.dim() >= 2 and n != d:
         out += _as_heads(u.transpose(-2, -1), b, h, n, d)
+        if u.dim() == 4 and tuple(u.shape) == (b, h, d, n):
+            # keys ``reshape``d to (..., D, T) where a transpose was meant: read back by the
+            # same reshape (the scores, made of the scrambled view, then name the mistake)
+            out.append(u.reshape(b, h, n, d))
     return out
 
 
