@@ -1183,9 +1183,10 @@ class Features:
                 hidden = moved
         hidden = tokens_last(hidden)
         shape = mask_shape(hidden)
-        if shape is None and _packed_batch(hidden, self._lead()):
+        lead = self._lead()
+        if shape is None and _packed_batch(hidden, lead):
             return None  # sequences packed into one: each sees its own (the output shows)
-        leak = _packed_leak(hidden, self._lead()) if shape is None else None
+        leak = _packed_leak(hidden, lead) if shape is None else None
         if leak is not None:
             # sequences packed into one whose mask lets a query see another's keys: the
             # judge reproduces the output with this mask (batch_mixing), else refuses
@@ -1194,7 +1195,6 @@ class Features:
             return None
         if shape is None:
             chunk = causal_chunks(hidden)
-            lead = self._lead()
             if chunk is not None and _packed_rows(hidden, lead, chunk):
                 # chunks as long as the probe's sequences over all the batch's tokens: the
                 # batch packed into one, each sequence causal (a varlen kernel's stand-in)

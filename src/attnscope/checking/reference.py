@@ -76,7 +76,7 @@ class Spec:
     #: what the mask of a batch packed into one sequence hides where it lets queries see
     #: other sequences' keys, ``(batch * tokens, batch * tokens)`` (see
     #: :attr:`.layer.Structure.packed_leak`)
-    packed_leak: T | None = None
+    packed_leak: T | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind.of(self.kind))
