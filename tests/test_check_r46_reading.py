@@ -29,6 +29,19 @@ def _interleaved_rotation(x: torch.Tensor) -> torch.Tensor:
     return x * cos + swapped * sin
 
 
+def _half_tables(rows: int, hd: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotate_half``'s cos and sin ``(rows, hd)`` for rows 0..rows-1 (base 1e4), built in
+    float64 and cast."""
+    inv = 1.0 / 10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.cat([torch.outer(torch.arange(rows, dtype=torch.float64), inv)] * 2, -1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _rotate_half(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
+
 class _SeqFirst(nn.Module):
     """Attention laid out sequence first ``(tokens, batch, width)``, as Megatron-style code
     runs: 4 query heads over 2 key/value heads of 8, LayerNorms over the whole query and
@@ -278,17 +291,9 @@ class _HeadIndexed(nn.Module):
     def forward(self, x):
         b, n, d = x.shape
         q, k, v = (f(x).view(b, n, self.h, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
-        inv = 1.0 / 10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd)
-        pos = torch.arange(self.h if self.by_head else n, dtype=torch.float64)
-        ang = torch.cat([torch.outer(pos, inv)] * 2, -1)
-        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        cos, sin = _half_tables(self.h if self.by_head else n, self.hd, x.dtype)
         cos, sin = (t[:, None] if self.by_head else t for t in (cos, sin))
-
-        def turn(t):
-            half = t.shape[-1] // 2
-            return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
-
-        q, k = turn(q), turn(k)
+        q, k = _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(out.transpose(1, 2).reshape(b, n, d))
 
@@ -511,15 +516,8 @@ class _RotatedCache(nn.Module):
     def forward(self, x):
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
-        inv = 1.0 / 10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd)
-        ang = torch.cat([torch.outer(torch.arange(n, dtype=torch.float64), inv)] * 2, -1)
-        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-
-        def turn(t):
-            half = t.shape[-1] // 2
-            return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
-
-        q, k = turn(q), turn(k)
+        cos, sin = _half_tables(n, self.hd, x.dtype)
+        q, k = _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
         pos = torch.arange(n)
         k_cache, v_cache = torch.zeros_like(k), torch.zeros_like(v)
         slots = {"slot": pos - 1, "ring": (pos + 1) % n}.get(self.slip, pos)

@@ -182,7 +182,7 @@ def read_side(
         if rank is not None:
             found.append((rank + (1 if side.misplaced else 0), side))
 
-    plain = fit_tables(p, u)
+    plain = fit_tables(p, u, by_head=True)  # tables indexed by the head read here only
     if plain is not None:
         consider(NormSide(plain))
     h = p.shape[1]

@@ -334,18 +334,19 @@ def _by_head(p: T, u: T) -> Tables | None:
     (the tables indexed along the head axis), or None."""
     if p.dim() != 4 or p.shape[1] < 2 or p.shape[2] < 2:
         return None
-    t = fit_tables(p.transpose(1, 2), u.transpose(1, 2), by_head=False)
+    t = fit_tables(p.transpose(1, 2), u.transpose(1, 2))
     if t is None or t.per_sequence or not t.turns or not t.is_rotation():
         return None
     return replace(t, by_head=True)
 
 
-def fit_tables(p: T, u: T, by_head: bool = True) -> Tables | None:
+def fit_tables(p: T, u: T, by_head: bool = False) -> Tables | None:
     """The rotation that takes the projected heads ``p`` to the operand ``u`` (both
     ``(B, H, T, D)``, float64), or None when none fits (something else happened between).
 
     Returns identity tables (``sin`` 0) when ``u`` is ``p`` unrotated (times a factor).
-    ``by_head``: where no tables by token fit, try tables by head (:attr:`Tables.by_head`).
+    ``by_head``: where no tables by token fit, try tables by head (:attr:`Tables.by_head`);
+    asked only for a side's plain reading, not for every norm hypothesis (each a second fit).
     """
     d = p.shape[-1]
     big = u.abs().amax().item()
